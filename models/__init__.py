@@ -1,0 +1,1 @@
+"""Llama / Mistral Flax ports and checkpoint loading (imported as rocketkv_jax.models)."""
