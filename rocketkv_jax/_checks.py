@@ -1,0 +1,42 @@
+"""Input validation shared by the public functions: clear ValueErrors, raised before tracing.
+
+Shapes and dtypes are static under `jax.jit`, so every check here runs at trace time on Python
+values and never on traced data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def require(cond: bool, msg: str) -> None:
+  """Raises `ValueError(msg)` unless `cond`."""
+  if not cond:
+    raise ValueError(msg)
+
+
+def require_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
+  """`value` must be a Python int in [lo, hi] (hi=None: unbounded)."""
+  ok = isinstance(value, int) and not isinstance(value, bool)
+  ok = ok and value >= lo and (hi is None or value <= hi)
+  rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+  require(ok, f"{name} must be an int {rng}, got {value!r}")
+
+
+def require_rank(name: str, x: Any, rank: int, layout: str) -> None:
+  require(getattr(x, "ndim", None) == rank,
+          f"{name} must have shape {layout} (rank {rank}), got shape {getattr(x, 'shape', None)}")
+
+
+def require_float(name: str, x: Any) -> None:
+  import jax.numpy as jnp
+  require(jnp.issubdtype(x.dtype, jnp.floating),
+          f"{name} must be a floating array, got dtype {x.dtype}")
+
+
+def group_size(num_q_heads: int, num_kv_heads: int, q_name: str = "q") -> int:
+  """G = Hq // Hkv; Hq must be a positive multiple of Hkv."""
+  require(num_kv_heads > 0 and num_q_heads % num_kv_heads == 0 and num_q_heads > 0,
+          f"{q_name} heads Hq={num_q_heads} must be a positive multiple of the KV heads "
+          f"Hkv={num_kv_heads}")
+  return num_q_heads // num_kv_heads

@@ -1,0 +1,78 @@
+"""Exact softmax attention of one decode query over selected cache slots (fp32 accumulation)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rocketkv_jax import _impl
+from rocketkv_jax._checks import require, require_rank
+from rocketkv_jax.cache import KVCache, valid_slots
+from rocketkv_jax.select import check_query
+
+
+def _softmax_combine(qg, k, v, valid):
+  """qg [B, Hkv, G, D], k/v [B, Hkv, K, D], valid [B, Hkv, K] -> [B, Hkv, G, D] float32."""
+  d = qg.shape[-1]
+  logits = jnp.einsum("bhgd,bhkd->bhgk", qg, k, preferred_element_type=jnp.float32)
+  logits = logits * (1.0 / jnp.sqrt(jnp.float32(d)))
+  logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
+  mx = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
+  denom = jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+  out = jnp.einsum("bhgk,bhkd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return out / denom
+
+
+def sparse_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, idx: jax.Array,
+                         valid: jax.Array) -> jax.Array:
+  """Attention over gathered rows.
+
+  Args:
+    q: [B, Hq, D]; k, v: [B, Hkv, C, D]; idx: [B, Hkv, K] int32 slots; valid: [B, Hkv, K] bool.
+  Returns:
+    [B, Hq, D] in q's dtype (accumulated in float32); zeros where no slot is valid.
+  """
+  b, hq, d = q.shape
+  hkv = k.shape[1]
+  k_sel = jnp.take_along_axis(k, idx[..., None], axis=2)
+  v_sel = jnp.take_along_axis(v, idx[..., None], axis=2)
+  out = _softmax_combine(q.reshape(b, hkv, hq // hkv, d), k_sel, v_sel, valid)
+  return out.reshape(b, hq, d).astype(q.dtype)
+
+
+def dense_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
+  """Dense decode attention over every slot: q [B, Hq, D], k/v [B, Hkv, C, D], valid
+  [B, Hkv, C] -> [B, Hq, D]. GQA without repeating K/V; fp32 accumulation."""
+  b, hq, d = q.shape
+  hkv = k.shape[1]
+  out = _softmax_combine(q.reshape(b, hkv, hq // hkv, d), k, v, valid)
+  return out.reshape(b, hq, d).astype(q.dtype)
+
+
+def attend(q: jax.Array, cache: KVCache, idx: jax.Array | None = None, *,
+           sliding_window: int | None = None, impl: str = "auto") -> jax.Array:
+  """Exact attention of `q [B, Hq, D]` over the slots `idx [B, Hkv, K]` of `cache`.
+
+  Slots that are not valid (past `length`, or outside `sliding_window`) are masked, so `idx`
+  may point anywhere (out-of-range entries are masked too); it must not repeat a valid slot.
+  `idx=None` attends to every valid slot (dense).
+  Returns [B, Hq, D] in q's dtype, softmax scale 1/sqrt(D), fp32 accumulation whatever the
+  cache dtype.
+  """
+  check_query(q, cache)
+  valid = valid_slots(cache, sliding_window)
+  if idx is None:
+    return dense_attention_xla(q, cache.k, cache.v, valid)
+  require_rank("idx", idx, 3, "[B, Hkv, K]")
+  require(idx.shape[:2] == cache.k.shape[:2],
+          f"idx must have shape [B, Hkv, K] with [B, Hkv]={cache.k.shape[:2]}, got {idx.shape}")
+  require(jnp.issubdtype(idx.dtype, jnp.integer), f"idx must be integer, got {idx.dtype}")
+  in_range = (idx >= 0) & (idx < cache.capacity)
+  idx = jnp.clip(idx, 0, cache.capacity - 1).astype(jnp.int32)
+  sel_valid = jnp.take_along_axis(valid, idx, axis=2) & in_range
+  which, interpret = _impl.resolve(impl)
+  if which == "pallas":
+    from rocketkv_jax import kernels
+    return kernels.sparse_attention(q, cache.k, cache.v, idx, sel_valid, interpret=interpret)
+  return sparse_attention_xla(q, cache.k, cache.v, idx, sel_valid)

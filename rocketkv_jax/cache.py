@@ -1,0 +1,221 @@
+"""`KVCache`: the immutable, fixed-capacity KV-cache pytree, and the functions that write it.
+
+Layout: `k, v [B, Hkv, C, D]` hold keys (post-RoPE) and values in slot order; each KV head has
+its own slots (stage 1 keeps different tokens per head) but every head of a sequence holds the
+same number of valid slots, `length[b]`. Slots `>= length[b]` are padding (zeros).
+
+`kmin, kmax [B, Hkv, NC, D]` (NC = ceil(C / chunk_size)) are the element-wise min / max of the
+valid keys of each chunk of `chunk_size` consecutive slots; a chunk without valid slots holds
+zeros (never +-inf, so a product with a zero query stays finite).
+
+Full cache behaviour (documented contract): `append` on a full sequence drops the write (no
+out-of-bounds write ever happens), leaves `length` unchanged and sets `overflow[b]`; read it with
+`cache_overflow`. `generate` turns it into an error on the host.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from rocketkv_jax._checks import require, require_rank
+
+
+@struct.dataclass
+class KVCache:
+  """One layer's KV cache.
+
+  Attributes:
+    k, v: [B, Hkv, C, D] keys (post-RoPE) and values.
+    kmin, kmax: [B, Hkv, NC, D] per-chunk min / max of the valid keys.
+    pos: [B, Hkv, C] int32 absolute token position held by each slot (-1: empty).
+    length: [B] int32 valid slots per sequence.
+    seen: [B] int32 tokens seen so far (= absolute position of the next token).
+    overflow: [B] bool, True once an append found the sequence full.
+    chunk_size: static, slots per summary chunk.
+  """
+
+  k: jax.Array
+  v: jax.Array
+  kmin: jax.Array
+  kmax: jax.Array
+  pos: jax.Array
+  length: jax.Array
+  seen: jax.Array
+  overflow: jax.Array
+  chunk_size: int = struct.field(pytree_node=False, default=1)
+
+  @property
+  def capacity(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def num_chunks(self) -> int:
+    return self.kmin.shape[2]
+
+
+def chunk_summaries(k: jax.Array, length: jax.Array, chunk_size: int):
+  """Min / max of the valid keys of each chunk.
+
+  Args:
+    k: [B, H, C, D] keys.
+    length: [B] valid slots.
+    chunk_size: slots per chunk.
+  Returns:
+    (kmin, kmax), each [B, H, ceil(C / chunk_size), D], zeros for chunks with no valid slot.
+  """
+  b, h, c, d = k.shape
+  nc = -(-c // chunk_size)
+  pad = nc * chunk_size - c
+  kp = jnp.pad(k, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(b, h, nc, chunk_size, d)
+  valid = (jnp.arange(nc * chunk_size) < length[:, None]).reshape(b, 1, nc, chunk_size, 1)
+  big = jnp.asarray(jnp.finfo(k.dtype).max, k.dtype)
+  kmin = jnp.min(jnp.where(valid, kp, big), axis=3)
+  kmax = jnp.max(jnp.where(valid, kp, -big), axis=3)
+  any_valid = jnp.any(valid, axis=3)
+  zero = jnp.zeros((), k.dtype)
+  return jnp.where(any_valid, kmin, zero), jnp.where(any_valid, kmax, zero)
+
+
+def from_kept(k: jax.Array, v: jax.Array, pos: jax.Array, length: jax.Array,
+              seen: jax.Array, capacity: int, chunk_size: int) -> KVCache:
+  """Builds a cache from the kept rows `k, v [B, Hkv, N, D]` (valid ones first), N <= capacity.
+
+  Rows at or past `length[b]` are zeroed, `pos` set to -1 there; summaries are computed.
+  """
+  b, h, n, d = k.shape
+  require(n <= capacity, f"kept rows N={n} must be <= capacity={capacity}")
+  valid = jnp.arange(capacity) < length[:, None]  # [B, C]
+  padw = ((0, 0), (0, 0), (0, capacity - n), (0, 0))
+  k = jnp.where(valid[:, None, :, None], jnp.pad(k, padw), jnp.zeros((), k.dtype))
+  v = jnp.where(valid[:, None, :, None], jnp.pad(v, padw), jnp.zeros((), v.dtype))
+  pos = jnp.pad(pos.astype(jnp.int32), ((0, 0), (0, 0), (0, capacity - n)))
+  pos = jnp.where(valid[:, None, :], pos, -1)
+  kmin, kmax = chunk_summaries(k, length, chunk_size)
+  return KVCache(k=k, v=v, kmin=kmin, kmax=kmax, pos=pos,
+                 length=length.astype(jnp.int32), seen=seen.astype(jnp.int32),
+                 overflow=jnp.zeros((b,), bool), chunk_size=chunk_size)
+
+
+def full_cache(k: jax.Array, v: jax.Array, capacity: int, chunk_size: int,
+               lengths: jax.Array | None = None) -> KVCache:
+  """A cache holding every prompt token of `k, v [B, Hkv, L, D]` (slot i = position i)."""
+  b, h, n, _ = k.shape
+  lengths = jnp.full((b,), n, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, h, n))
+  return from_kept(k, v, pos, lengths, lengths, capacity, chunk_size)
+
+
+def empty_cache(batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype,
+                chunk_size: int = 1) -> KVCache:
+  """An empty cache with room for `capacity` tokens."""
+  z = jnp.zeros((batch, num_kv_heads, 0, head_dim), dtype)
+  return full_cache(z, z, capacity, chunk_size, jnp.zeros((batch,), jnp.int32))
+
+
+def _check_new(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> None:
+  b, h, _, d = cache.k.shape
+  for name, x in (("k_new", k_new), ("v_new", v_new)):
+    require_rank(name, x, 4, "[B, Hkv, 1, D]")
+    require(x.shape == (b, h, 1, d),
+            f"{name} must have shape [B, Hkv, 1, D] = {(b, h, 1, d)}, got {x.shape}")
+    require(x.dtype == cache.k.dtype,
+            f"{name} dtype {x.dtype} must match the cache dtype {cache.k.dtype}")
+
+
+def append(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
+  """Writes one token per sequence at slot `length[b]` and updates that chunk's min / max.
+
+  Args:
+    cache: the cache.
+    k_new, v_new: [B, Hkv, 1, D] the new token's key (post-RoPE) and value.
+  Returns:
+    The new cache. A full sequence drops the write and sets `overflow[b]` (see module doc).
+  """
+  _check_new(cache, k_new, v_new)
+  c, nc, cs = cache.capacity, cache.num_chunks, cache.chunk_size
+  bi = jnp.arange(cache.k.shape[0])
+  slot = cache.length
+  ok = slot < c
+  slot_w = jnp.where(ok, slot, c)  # out of range -> dropped by mode="drop"
+  kn, vn = k_new[:, :, 0], v_new[:, :, 0]  # [B, Hkv, D]
+  k = cache.k.at[bi, :, slot_w].set(kn, mode="drop")
+  v = cache.v.at[bi, :, slot_w].set(vn, mode="drop")
+  pos = cache.pos.at[bi, :, slot_w].set(cache.seen[:, None], mode="drop")
+  ci = jnp.minimum(slot // cs, nc - 1)
+  first = (slot % cs == 0)[:, None, None]
+  old_min = cache.kmin[bi, :, ci]
+  old_max = cache.kmax[bi, :, ci]
+  new_min = jnp.where(first, kn, jnp.minimum(old_min, kn))
+  new_max = jnp.where(first, kn, jnp.maximum(old_max, kn))
+  ci_w = jnp.where(ok, ci, nc)
+  kmin = cache.kmin.at[bi, :, ci_w].set(new_min, mode="drop")
+  kmax = cache.kmax.at[bi, :, ci_w].set(new_max, mode="drop")
+  return cache.replace(k=k, v=v, kmin=kmin, kmax=kmax, pos=pos,
+                       length=cache.length + ok.astype(jnp.int32), seen=cache.seen + 1,
+                       overflow=cache.overflow | ~ok)
+
+
+def extend(cache: KVCache, k: jax.Array, v: jax.Array,
+           lengths: jax.Array | None = None) -> KVCache:
+  """Appends a block of tokens `k, v [B, Hkv, T, D]`, `lengths[b]` of them valid, and rebuilds
+  the summaries. Used between turns (not on the per-token hot path). Overflowing tokens are
+  dropped and flag `overflow[b]`."""
+  b, h, t, d = k.shape
+  require(k.shape == v.shape and k.shape[:2] == cache.k.shape[:2] and d == cache.k.shape[3],
+          f"k, v must have shape [B, Hkv, T, D] matching the cache {cache.k.shape}, "
+          f"got {k.shape} and {v.shape}")
+  require(k.dtype == cache.k.dtype and v.dtype == cache.v.dtype,
+          f"k, v dtype must match the cache dtype {cache.k.dtype}")
+  c = cache.capacity
+  lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+  i = jnp.arange(t)
+  slot = cache.length[:, None] + i  # [B, T]
+  ok = (i < lengths[:, None]) & (slot < c)
+  slot_w = jnp.where(ok, slot, c)
+  bi = jnp.arange(b)[:, None]
+  kk = cache.k.at[bi, :, slot_w].set(jnp.moveaxis(k, 2, 1), mode="drop")
+  vv = cache.v.at[bi, :, slot_w].set(jnp.moveaxis(v, 2, 1), mode="drop")
+  newpos = jnp.broadcast_to((cache.seen[:, None] + i)[:, :, None], (b, t, h))
+  pos = cache.pos.at[bi, :, slot_w].set(newpos, mode="drop")
+  written = jnp.sum(ok, axis=1).astype(jnp.int32)
+  length = cache.length + written
+  kmin, kmax = chunk_summaries(kk, length, cache.chunk_size)
+  return cache.replace(k=kk, v=vv, kmin=kmin, kmax=kmax, pos=pos, length=length,
+                       seen=cache.seen + lengths,
+                       overflow=cache.overflow | (written < lengths))
+
+
+def grow(cache: KVCache, capacity: int, chunk_size: int | None = None) -> KVCache:
+  """The same cache with `capacity` slots (>= its current capacity)."""
+  require(capacity >= cache.capacity,
+          f"capacity must be >= the current capacity {cache.capacity}, got {capacity}")
+  chunk_size = chunk_size or cache.chunk_size
+  out = from_kept(cache.k, cache.v, cache.pos, cache.length, cache.seen, capacity, chunk_size)
+  return out.replace(overflow=cache.overflow)
+
+
+def valid_slots(cache: KVCache, sliding_window: int | None = None) -> jax.Array:
+  """[B, Hkv, C] bool: slot holds a token the newest token may attend to.
+
+  With `sliding_window` (Mistral v0.1) the newest token at position p = seen - 1 sees a key at
+  position j only when p - j < sliding_window.
+  """
+  c = cache.capacity
+  valid = (jnp.arange(c) < cache.length[:, None])[:, None, :]
+  if sliding_window is not None:
+    newest = (cache.seen - 1)[:, None, None]
+    valid = valid & (newest - cache.pos < sliding_window)
+  return jnp.broadcast_to(valid, cache.pos.shape)
+
+
+def cache_overflow(state) -> jax.Array:
+  """[B] bool: True where an append found the cache full (any cache inside `state`)."""
+  caches = [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, KVCache))
+            if isinstance(x, KVCache)]
+  require(len(caches) > 0, "state must contain a KVCache")
+  out = caches[0].overflow
+  for c in caches[1:]:
+    out = out | c.overflow
+  return out

@@ -1,0 +1,146 @@
+"""Stage 1 (prefill, permanent eviction), SnapKV style.
+
+The last W prompt queries score every key: softmax(q k^T / sqrt(D)) with the causal mask, summed
+over the window and over the G query heads of each KV head's group. Keys older than the window
+are candidates; their scores are max-pooled (kernel `kernel_size`, 'same' padding, over
+candidates only) and each KV head keeps the top `prompt_budget - W` candidates plus the window,
+in position order. Prompts that fit in `prompt_budget` are kept whole.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from rocketkv_jax import _impl
+from rocketkv_jax._checks import group_size, require, require_float, require_rank
+from rocketkv_jax.cache import KVCache, from_kept
+from rocketkv_jax.config import Plan
+
+
+def window_scores_xla(q_window: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.Array:
+  """Attention mass each key receives from the window, summed over window and group.
+
+  Args:
+    q_window: [B, Hq, W, D] the last W valid queries of each sequence (post-RoPE).
+    k: [B, Hkv, L, D] keys (post-RoPE), right-padded.
+    lengths: [B] valid prompt lengths.
+  Returns:
+    [B, Hkv, L] float32; 0 at padding.
+  """
+  b, hq, w, d = q_window.shape
+  hkv, l = k.shape[1], k.shape[2]
+  g = hq // hkv
+  q = q_window.reshape(b, hkv, g, w, d)
+  logits = jnp.einsum("bhgwd,bhld->bhgwl", q, k, preferred_element_type=jnp.float32)
+  logits = logits * (1.0 / jnp.sqrt(jnp.float32(d)))
+  qpos = lengths[:, None] - w + jnp.arange(w)  # [B, W]
+  kpos = jnp.arange(l)
+  mask = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < lengths[:, None, None])
+  mask = mask[:, None, None]  # [B, 1, 1, W, L]
+  logits = jnp.where(mask, logits, -jnp.inf)
+  mx = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
+  p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+  return jnp.sum(p, axis=(2, 3))
+
+
+def pooled_candidate_scores(scores: jax.Array, lengths: jax.Array, window: int,
+                            kernel_size: int) -> jax.Array:
+  """Max-pools candidate scores. [B, Hkv, L] -> [B, Hkv, L], -inf where not a candidate.
+
+  Candidates of sequence b are positions < lengths[b] - window.
+  """
+  l = scores.shape[-1]
+  cand = (jnp.arange(l) < (lengths - window)[:, None])[:, None, :]
+  s = jnp.where(cand, scores.astype(jnp.float32), -jnp.inf)
+  pooled = lax.reduce_window(s, -jnp.inf, lax.max, (1, 1, kernel_size), (1, 1, 1), "SAME")
+  return jnp.where(cand, pooled, -jnp.inf)
+
+
+def _check(k, v, q_window, plan, lengths):
+  require(isinstance(plan, Plan), f"plan must be a Plan from rocketkv.plan(), got {type(plan)}")
+  require_rank("k", k, 4, "[B, Hkv, L, D]")
+  require_rank("v", v, 4, "[B, Hkv, L, D]")
+  require_rank("q_window", q_window, 4, "[B, Hq, W, D]")
+  require(k.shape == v.shape, f"k and v must have the same shape, got {k.shape} and {v.shape}")
+  require(k.dtype == v.dtype, f"k and v must have the same dtype, got {k.dtype} and {v.dtype}")
+  require_float("k", k)
+  b, hkv, l, d = k.shape
+  require(q_window.shape[0] == b and q_window.shape[3] == d,
+          f"q_window must have shape [B={b}, Hq, W, D={d}], got {q_window.shape}")
+  group_size(q_window.shape[1], hkv, "q_window")
+  w = q_window.shape[2]
+  require(1 <= w <= l, f"q_window length W={w} must be in [1, L={l}] (window longer than the "
+          f"prompt)")
+  require(d == plan.head_dim, f"head dim D={d} must equal plan.head_dim={plan.head_dim}")
+  require(w <= plan.prompt_budget or plan.prompt_budget >= l,
+          f"window W={w} must be <= plan.prompt_budget={plan.prompt_budget}")
+  require(plan.capacity >= min(plan.prompt_budget, l),
+          f"plan.capacity={plan.capacity} must be >= the kept prompt tokens "
+          f"{min(plan.prompt_budget, l)}")
+  if lengths is not None:
+    require(getattr(lengths, "shape", None) == (b,), f"lengths must have shape [B]={(b,)}, "
+            f"got {getattr(lengths, 'shape', None)}")
+
+
+def evict(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
+          lengths: jax.Array | None = None, impl: str = "auto") -> KVCache:
+  """Stage 1: keeps the window plus the top `plan.prompt_budget - W` tokens per KV head.
+
+  Args:
+    k, v: [B, Hkv, L, D] prompt keys (post-RoPE) and values, right-padded.
+    q_window: [B, Hq, W, D] post-RoPE queries of the last W valid prompt tokens of each sequence.
+    plan: from `rocketkv.plan`; uses `prompt_budget`, `capacity`, `chunk_size`, `kernel_size`.
+    lengths: [B] valid prompt lengths (None: all L). A sequence shorter than the budget keeps
+      every token.
+    impl: "auto" | "xla" | "pallas" for the window scoring.
+  Returns:
+    A `KVCache` of capacity `plan.capacity` holding min(prompt_budget, lengths[b]) tokens per
+    sequence, in position order, with `seen = lengths`.
+  """
+  _check(k, v, q_window, plan, lengths)
+  b, hkv, l, d = k.shape
+  w = q_window.shape[2]
+  lengths = jnp.full((b,), l, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+  pb = plan.prompt_budget
+  if pb >= l:  # every sequence fits: nothing to score
+    pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, hkv, l))
+    return from_kept(k, v, pos, lengths, lengths, plan.capacity, plan.chunk_size)
+  which, interpret = _impl.resolve(impl)
+  if which == "pallas":
+    from rocketkv_jax import kernels
+    scores = kernels.window_scores(q_window, k, lengths, interpret=interpret)
+  else:
+    scores = window_scores_xla(q_window, k, lengths)
+  pri = pooled_candidate_scores(scores, lengths, w, plan.kernel_size)
+  kpos = jnp.arange(l)[None, None, :]
+  keep_all = (lengths <= pb)[:, None, None]
+  must = ((kpos >= (lengths - w)[:, None, None]) | keep_all) & (kpos < lengths[:, None, None])
+  pri = jnp.where(must, jnp.inf, pri)
+  _, idx = lax.top_k(pri, pb)  # [B, Hkv, pb]
+  idx = jnp.sort(idx, axis=-1).astype(jnp.int32)  # valid positions come first
+  kept = jnp.minimum(lengths, pb)
+  k_kept = jnp.take_along_axis(k, idx[..., None], axis=2)
+  v_kept = jnp.take_along_axis(v, idx[..., None], axis=2)
+  return from_kept(k_kept, v_kept, idx, kept, lengths, plan.capacity, plan.chunk_size)
+
+
+def evict_streaming(k: jax.Array, v: jax.Array, plan: Plan, *,
+                    lengths: jax.Array | None = None) -> KVCache:
+  """StreamingLLM prefill: keeps `sink_size` first tokens and the most recent
+  `prompt_budget - sink_size` tokens of each sequence, in position order."""
+  b, hkv, l, d = k.shape
+  lengths = jnp.full((b,), l, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
+  pb = min(plan.prompt_budget, l)
+  s = min(plan.sink_size, pb)
+  j = jnp.arange(pb)
+  recent = lengths[:, None] - (pb - s) + (j - s)  # [B, pb]
+  idx = jnp.where((j < s) | (lengths[:, None] <= pb), j, recent)
+  idx = jnp.clip(idx, 0, l - 1).astype(jnp.int32)
+  idx = jnp.broadcast_to(idx[:, None, :], (b, hkv, pb))
+  kept = jnp.minimum(lengths, pb)
+  k_kept = jnp.take_along_axis(k, idx[..., None], axis=2)
+  v_kept = jnp.take_along_axis(v, idx[..., None], axis=2)
+  return from_kept(k_kept, v_kept, idx, kept, lengths, plan.capacity, plan.chunk_size)

@@ -1,0 +1,166 @@
+"""Stage 2 selection: which cache slots each KV head attends to for one decode query.
+
+RocketKV's hybrid approximation, per KV head (G query heads in its group):
+1. pick the `r` head dims with the largest |q| summed over the group;
+2. per dim, take the chunk's kmax where the group-summed q is positive, else its kmin, and
+   score each chunk as q_r . k_bound_r for every query head;
+3. softmax over valid chunks per head with scale 1 / sqrt(D * sum|q_r| / sum|q|) (SparQ's
+   temperature correction), sum over the group;
+4. every slot takes its chunk's score; the `top_k` best valid slots are selected.
+
+The other methods plug their own scores into the same top-k (see `METHODS` in config.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from rocketkv_jax import _impl
+from rocketkv_jax._checks import group_size, require, require_rank
+from rocketkv_jax.cache import KVCache, valid_slots
+from rocketkv_jax.config import DENSE_METHODS, Plan
+
+
+def _chunk_valid(length: jax.Array, num_chunks: int, chunk_size: int) -> jax.Array:
+  """[B, 1, NC] bool: chunk holds at least one valid slot."""
+  return (jnp.arange(num_chunks) * chunk_size < length[:, None])[:, None, :]
+
+
+def _group_softmax_sum(logits: jax.Array, chunk_ok: jax.Array) -> jax.Array:
+  """[B, Hkv, G, NC] logits -> [B, Hkv, NC] softmax over chunks, summed over the group."""
+  logits = jnp.where(chunk_ok[:, :, None, :], logits, -jnp.inf)
+  mx = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
+  p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+  return jnp.sum(p, axis=2)
+
+
+def approx_chunk_scores_xla(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: jax.Array,
+                            chunk_size: int, r: int) -> jax.Array:
+  """RocketKV / SparQ approximate scores per chunk.
+
+  Args:
+    q: [B, Hq, D] decode query (post-RoPE).
+    kmin, kmax: [B, Hkv, NC, D] chunk summaries.
+    length: [B] valid slots.
+    chunk_size: slots per chunk.
+    r: head dims kept.
+  Returns:
+    [B, Hkv, NC] float32 group-summed softmax scores; 0 for chunks with no valid slot.
+  """
+  b, hq, d = q.shape
+  hkv, nc = kmin.shape[1], kmin.shape[2]
+  g = hq // hkv
+  qg = q.reshape(b, hkv, g, d).astype(jnp.float32)
+  qabs = jnp.abs(qg)
+  _, ridx = lax.top_k(jnp.sum(qabs, axis=2), r)  # [B, Hkv, r]
+  sign = jnp.sum(qg, axis=2) > 0  # [B, Hkv, D]
+  s_r = jnp.take_along_axis(sign, ridx, axis=2)[:, :, None, :]  # [B, Hkv, 1, r]
+  kmin_r = jnp.take_along_axis(kmin, ridx[:, :, None, :], axis=3)  # [B, Hkv, NC, r]
+  kmax_r = jnp.take_along_axis(kmax, ridx[:, :, None, :], axis=3)
+  kb = jnp.where(s_r, kmax_r, kmin_r).astype(jnp.float32)
+  q_r = jnp.take_along_axis(qg, ridx[:, :, None, :], axis=3)  # [B, Hkv, G, r]
+  logits = jnp.einsum("bhgr,bhcr->bhgc", q_r, kb)
+  frac = jnp.sum(jnp.abs(q_r), axis=-1) / jnp.maximum(jnp.sum(qabs, axis=-1), 1e-30)
+  scale = lax.rsqrt(jnp.float32(d) * jnp.where(frac > 0, frac, 1.0))  # [B, Hkv, G]
+  logits = logits * scale[..., None]
+  return _group_softmax_sum(logits, _chunk_valid(length, nc, chunk_size))
+
+
+def quest_chunk_scores_xla(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: jax.Array,
+                           chunk_size: int) -> jax.Array:
+  """Quest's per-page upper bound sum_d max(q_d kmin_d, q_d kmax_d) for every query head,
+  softmax over pages (scale 1/sqrt(D)) and summed over the group. -> [B, Hkv, NC]."""
+  b, hq, d = q.shape
+  hkv, nc = kmin.shape[1], kmin.shape[2]
+  qg = q.reshape(b, hkv, hq // hkv, d).astype(jnp.float32)
+  lo = jnp.einsum("bhgd,bhcd->bhgcd", qg, kmin.astype(jnp.float32))
+  hi = jnp.einsum("bhgd,bhcd->bhgcd", qg, kmax.astype(jnp.float32))
+  logits = jnp.sum(jnp.maximum(lo, hi), axis=-1) / jnp.sqrt(jnp.float32(d))
+  return _group_softmax_sum(logits, _chunk_valid(length, nc, chunk_size))
+
+
+def exact_slot_scores_xla(q: jax.Array, k: jax.Array, valid: jax.Array) -> jax.Array:
+  """Oracle: exact softmax(q k^T / sqrt(D)) over valid slots, summed over the group.
+  q [B, Hq, D], k [B, Hkv, C, D], valid [B, Hkv, C] -> [B, Hkv, C]."""
+  b, hq, d = q.shape
+  hkv = k.shape[1]
+  qg = q.reshape(b, hkv, hq // hkv, d)
+  logits = jnp.einsum("bhgd,bhcd->bhgc", qg, k, preferred_element_type=jnp.float32)
+  logits = logits / jnp.sqrt(jnp.float32(d))
+  return _group_softmax_sum(logits, valid)
+
+
+def _slot_scores(chunk_scores: jax.Array, chunk_size: int, capacity: int) -> jax.Array:
+  """[B, Hkv, NC] -> [B, Hkv, C]: each slot takes its chunk's score."""
+  b, h, nc = chunk_scores.shape
+  rep = jnp.broadcast_to(chunk_scores[..., None], (b, h, nc, chunk_size))
+  return rep.reshape(b, h, nc * chunk_size)[:, :, :capacity]
+
+
+def _streaming_indices(cache: KVCache, plan: Plan, k: int) -> jax.Array:
+  """Sinks + most recent slots; all of [0, k) while the sequence holds <= k slots."""
+  b, h = cache.k.shape[:2]
+  s = min(plan.sink_size, k)
+  j = jnp.arange(k)
+  n = cache.length[:, None]
+  idx = jnp.where((j < s) | (n <= k), j, n - (k - s) + (j - s))
+  return jnp.broadcast_to(idx[:, None, :], (b, h, k)).astype(jnp.int32)
+
+
+def check_query(q: jax.Array, cache: KVCache, name: str = "q") -> None:
+  require_rank(name, q, 3, "[B, Hq, D]")
+  b, hkv, _, d = cache.k.shape
+  require(q.shape[0] == b and q.shape[2] == d,
+          f"{name} must have shape [B={b}, Hq, D={d}], got {q.shape}")
+  group_size(q.shape[1], hkv, name)
+
+
+def select(q: jax.Array, cache: KVCache, plan: Plan, *, sliding_window: int | None = None,
+           impl: str = "auto") -> jax.Array:
+  """Stage 2: the slots each KV head attends to.
+
+  Args:
+    q: [B, Hq, D] decode query (post-RoPE).
+    cache: the cache (already holding the query's own token).
+    plan: from `rocketkv.plan`; `plan.method` chooses the scoring.
+    sliding_window: Mistral v0.1 window, or None.
+    impl: "auto" | "xla" | "pallas" for the approximate scoring.
+  Returns:
+    int32 [B, Hkv, K] slot indices, K = min(plan.top_k, C) (K = C for dense methods). Only valid
+    slots are picked while there are enough of them; when K >= valid slots every valid slot is
+    picked, and the rest of the row points at invalid slots, which `attend` masks.
+  """
+  require(isinstance(plan, Plan), f"plan must be a Plan from rocketkv.plan(), got {type(plan)}")
+  check_query(q, cache)
+  b, hkv, c, _ = cache.k.shape
+  m = plan.method
+  if m in DENSE_METHODS:
+    return jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, hkv, c))
+  k = min(plan.top_k, c)
+  if m == "streamingllm":
+    return _streaming_indices(cache, plan, k)
+  valid = valid_slots(cache, sliding_window)
+  if m == "exact_topk":
+    scores = exact_slot_scores_xla(q, cache.k, valid)
+  else:
+    require(plan.chunk_size == cache.chunk_size,
+            f"plan.chunk_size={plan.chunk_size} must match the cache's {cache.chunk_size}")
+    if m == "quest":
+      chunk = quest_chunk_scores_xla(q, cache.kmin, cache.kmax, cache.length, cache.chunk_size)
+    else:
+      which, interpret = _impl.resolve(impl)
+      if which == "pallas":
+        from rocketkv_jax import kernels
+        chunk = kernels.approx_chunk_scores(q, cache.kmin, cache.kmax, cache.length,
+                                            chunk_size=cache.chunk_size, r=plan.r,
+                                            interpret=interpret)
+      else:
+        chunk = approx_chunk_scores_xla(q, cache.kmin, cache.kmax, cache.length,
+                                        cache.chunk_size, plan.r)
+    scores = _slot_scores(chunk, cache.chunk_size, c)
+  scores = jnp.where(valid, scores, -jnp.inf)
+  _, idx = lax.top_k(scores, k)
+  return idx.astype(jnp.int32)
