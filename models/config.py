@@ -1,0 +1,181 @@
+"""Static model configuration: a frozen, hashable dataclass passed to jit as a static argument.
+
+One `ModelConfig` describes every supported checkpoint family:
+
+* Llama 2 / 3 / 3.1 / 3.2 and SmolLM2 (`architecture="llama"`),
+* Mistral v0.1 (`architecture="mistral"`, `sliding_window=4096`) and v0.2 / v0.3
+  (`sliding_window=None`).
+
+RoPE scaling is a separate frozen `RopeScaling` (type `"default"`, `"linear"` or `"llama3"`).
+Both Hugging Face config spellings are accepted: the classic `rope_theta` + `rope_scaling`
+and the newer `rope_parameters` dict (transformers >= 5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """RoPE frequency scaling.
+
+  Attributes:
+    rope_type: "default" (none), "linear" (positions divided by `factor`, e.g.
+      LongChat-7B-v1.5-32k) or "llama3" (Llama 3.1's band-wise wavelength scaling).
+    factor: scale factor (1.0 for "default").
+    low_freq_factor, high_freq_factor, original_max_position_embeddings: "llama3" only.
+  """
+
+  rope_type: str = "default"
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    if self.rope_type not in SUPPORTED_ROPE_TYPES:
+      raise ValueError(
+          f"rope_scaling type {self.rope_type!r} is not supported; "
+          f"allowed: {SUPPORTED_ROPE_TYPES}")
+    if self.factor <= 0:
+      raise ValueError(f"rope_scaling factor must be > 0, got {self.factor}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Decoder-only Llama / Mistral transformer hyper-parameters (all static).
+
+  Attributes:
+    vocab_size: V.
+    hidden_size: model width D.
+    intermediate_size: SwiGLU width F.
+    num_layers: number of decoder blocks.
+    num_heads: query heads Hq.
+    num_kv_heads: key/value heads Hkv (GQA group G = Hq // Hkv; query head h uses KV head h // G).
+    head_dim: per-head width Dh.
+    rms_norm_eps: RMSNorm epsilon.
+    rope_theta: RoPE base.
+    rope_scaling: `RopeScaling`.
+    max_position_embeddings: the context length; longer prompts are rejected.
+    tie_word_embeddings: the LM head reuses the embedding matrix.
+    sliding_window: Mistral v0.1 attention window (a query at position i sees keys j with
+      i - j < sliding_window), or None for full causal attention.
+    architecture: "llama" or "mistral".
+    bos_token_id, eos_token_ids: special ids (eos may be several, as in Llama 3).
+    rope_freq_factors: optional per-frequency divisors `[Dh // 2]` (llama.cpp's `rope_freqs`
+      tensor, how GGUF files store Llama 3.1 scaling); applied on top of `rope_scaling`.
+  """
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rms_norm_eps: float = 1e-5
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling = RopeScaling()
+  max_position_embeddings: int = 4096
+  tie_word_embeddings: bool = False
+  sliding_window: int | None = None
+  architecture: str = "llama"
+  bos_token_id: int | None = None
+  eos_token_ids: tuple[int, ...] = ()
+  rope_freq_factors: tuple[float, ...] | None = None
+
+  def __post_init__(self):
+    if self.architecture not in SUPPORTED_ARCHITECTURES:
+      raise ValueError(
+          f"architecture {self.architecture!r} is not supported; allowed: {SUPPORTED_ARCHITECTURES}")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "max_position_embeddings"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+    if self.sliding_window is not None and self.sliding_window < 1:
+      raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window}")
+
+  @property
+  def num_groups(self) -> int:
+    """GQA group size G = Hq // Hkv."""
+    return self.num_heads // self.num_kv_heads
+
+  @classmethod
+  def from_hf(cls, hf: Mapping[str, Any]) -> "ModelConfig":
+    """Builds a config from a Hugging Face `config.json` dict.
+
+    Raises:
+      ValueError: unsupported `model_type`, rope type, bias layers or activation.
+    """
+    model_type = hf.get("model_type", "llama")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+      raise ValueError(
+          f"config.json model_type {model_type!r} is not supported; allowed: "
+          f"{SUPPORTED_ARCHITECTURES}")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+      raise ValueError("attention_bias / mlp_bias = True is not supported (Llama/Mistral have none)")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+      raise ValueError(f"hidden_act {act!r} is not supported; allowed: ('silu',)")
+    hidden = hf["hidden_size"]
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hidden // heads
+    rope_theta, rope = _rope_from_hf(hf)
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    window = hf.get("sliding_window") if model_type == "mistral" else None
+    if model_type == "mistral" and window is not None and not hf.get("use_sliding_window", True):
+      window = None
+    return cls(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope,
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        sliding_window=window,
+        architecture=model_type,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
+  """(rope_theta, RopeScaling) from either `rope_parameters` or `rope_theta` + `rope_scaling`."""
+  params = hf.get("rope_parameters")
+  if params:
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = params
+  else:
+    theta = hf.get("rope_theta", 10000.0)
+    scaling = hf.get("rope_scaling") or {}
+  rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+  if rope_type not in SUPPORTED_ROPE_TYPES:
+    raise ValueError(
+        f"rope type {rope_type!r} is not supported; allowed: {SUPPORTED_ROPE_TYPES}")
+  if rope_type == "default":
+    return theta, RopeScaling()
+  kwargs = dict(rope_type=rope_type, factor=float(scaling["factor"]))
+  if rope_type == "llama3":
+    kwargs.update(
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+    )
+  return theta, RopeScaling(**kwargs)

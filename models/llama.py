@@ -1,0 +1,201 @@
+"""Llama / Mistral decoder as pure functions over a parameter pytree.
+
+Design: the parameters are a plain dict pytree with the decoder blocks stacked on a leading
+layer axis, so every pass is one `lax.scan` over layers (compile time independent of depth):
+
+    {"embed": [V, D], "final_norm": [D], "lm_head": [D, V] (absent when tied),
+     "layers": {"attn_norm": [N, D], "wq": [N, D, Hq*Dh], "wk": [N, D, Hkv*Dh],
+                "wv": [N, D, Hkv*Dh], "wo": [N, Hq*Dh, D], "mlp_norm": [N, D],
+                "w_gate": [N, D, F], "w_up": [N, D, F], "w_down": [N, F, D]}}
+
+Mistral is the same network; its v0.1 sliding window is `config.sliding_window`, honoured by
+the blockwise prefill and handed to the KV method at decode time. Activations run in the
+parameter dtype (fp32 or bf16); RMSNorm statistics, RoPE angles, softmax and logits are fp32.
+(A pure-function pytree was chosen over flax NNX modules: it is what `jit`, `lax.scan`,
+`lax.while_loop`, donation and orbax want to see, with nothing to split or merge.)
+
+Entry points:
+  * `forward(params, tokens)` -- plain full-attention logits `[B, T, V]` (no cache).
+  * `prefill(params, tokens, lengths)` -- last-token logits `[B, V]` and the per-layer KV state
+    built by `rocketkv.prefill` for the plan's method.
+  * `decode_step(params, cache, tokens, positions)` -- the pure step
+    `(params, cache, tokens, positions) -> (logits, cache)` over `rocketkv.decode_step`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+
+from rocketkv_jax.models.attention import blockwise_causal_attention
+from rocketkv_jax.models.config import ModelConfig
+from rocketkv_jax.models.rope import apply_rope
+
+Params = dict[str, Any]
+
+LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def param_shapes(config: ModelConfig) -> dict[str, Any]:
+  """The expected shape of every parameter (same tree as the params)."""
+  n, d, f, v = config.num_layers, config.hidden_size, config.intermediate_size, config.vocab_size
+  hq, hkv, dh = config.num_heads, config.num_kv_heads, config.head_dim
+  shapes = {
+      "embed": (v, d),
+      "final_norm": (d,),
+      "layers": {
+          "attn_norm": (n, d), "wq": (n, d, hq * dh), "wk": (n, d, hkv * dh),
+          "wv": (n, d, hkv * dh), "wo": (n, hq * dh, d), "mlp_norm": (n, d),
+          "w_gate": (n, d, f), "w_up": (n, d, f), "w_down": (n, f, d),
+      },
+  }
+  if not config.tie_word_embeddings:
+    shapes["lm_head"] = (d, v)
+  return shapes
+
+
+def init_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32) -> Params:
+  """Random parameters (normal(0, 0.02), norms = 1) for smoke tests and benchmarks."""
+  rng = np.random.default_rng(seed)
+
+  def make(path, shape):
+    name = path[-1].key
+    if name.endswith("norm"):
+      return jnp.ones(shape, dtype)
+    return jnp.asarray(rng.normal(0.0, 0.02, shape).astype(np.float32), dtype)
+
+  return jax.tree_util.tree_map_with_path(
+      make, param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+
+
+def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
+  """RMSNorm over the last axis, statistics in fp32 (as Hugging Face)."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return weight * y.astype(x.dtype)
+
+
+def _qkv(lp: Params, config: ModelConfig, x: jnp.ndarray, positions: jnp.ndarray):
+  """x `[B, T, D]`, positions `[B, T]` -> post-RoPE q `[B, Hq, T, Dh]`, k, v `[B, Hkv, T, Dh]`."""
+  b, t, _ = x.shape
+  dh = config.head_dim
+  h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
+  q = (h @ lp["wq"]).reshape(b, t, config.num_heads, dh).transpose(0, 2, 1, 3)
+  k = (h @ lp["wk"]).reshape(b, t, config.num_kv_heads, dh).transpose(0, 2, 1, 3)
+  v = (h @ lp["wv"]).reshape(b, t, config.num_kv_heads, dh).transpose(0, 2, 1, 3)
+  return apply_rope(q, positions, config), apply_rope(k, positions, config), v
+
+
+def _attn_residual(lp: Params, x: jnp.ndarray, attn: jnp.ndarray) -> jnp.ndarray:
+  """x `[B, T, D]` + o_proj(attn `[B, Hq, T, Dh]`)."""
+  b, hq, t, dh = attn.shape
+  return x + attn.astype(x.dtype).transpose(0, 2, 1, 3).reshape(b, t, hq * dh) @ lp["wo"]
+
+
+def _mlp_residual(lp: Params, config: ModelConfig, x: jnp.ndarray) -> jnp.ndarray:
+  """x + SwiGLU(RMSNorm(x))."""
+  h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
+  return x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+
+
+def unembed(params: Params, config: ModelConfig, x: jnp.ndarray) -> jnp.ndarray:
+  """Final norm + LM head: x `[..., D]` -> fp32 logits `[..., V]`."""
+  h = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+  w = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+  return (h @ w).astype(jnp.float32)
+
+
+def forward(params: Params, tokens: jnp.ndarray, *, config: ModelConfig,
+            block_size: int = 512) -> jnp.ndarray:
+  """Plain full-attention forward: tokens `[B, T]` -> logits `[B, T, V]` (fp32)."""
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  x = params["embed"][tokens]
+
+  def layer(x, lp):
+    q, k, v = _qkv(lp, config, x, positions)
+    a = blockwise_causal_attention(
+        q, k, v, sliding_window=config.sliding_window, block_size=block_size)
+    x = _mlp_residual(lp, config, _attn_residual(lp, x, a))
+    return x, None
+
+  x, _ = lax.scan(layer, x, params["layers"])
+  return unembed(params, config, x)
+
+
+def window_indices(lengths: jnp.ndarray, length: int, window: int) -> jnp.ndarray:
+  """`[B, W]` padded indices of the last W valid tokens of each sequence (clamped at 0)."""
+  w = min(window, length)
+  idx = lengths[:, None] - w + jnp.arange(w, dtype=jnp.int32)[None, :]
+  return jnp.clip(idx, 0, length - 1)
+
+
+def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
+            config: ModelConfig, plan, block_size: int = 512):
+  """Prompt pass that builds the compressed KV cache.
+
+  Args:
+    params: parameter pytree.
+    tokens: `[B, L]` int32 right-padded prompt ids.
+    lengths: `[B]` int32 valid prompt lengths (1 <= lengths <= L).
+    config: static `ModelConfig`.
+    plan: static `rocketkv.Plan` (chooses the KV method and its budget).
+    block_size: static prefill attention tile.
+
+  Returns:
+    (logits `[B, V]` fp32 at each sequence's last valid token,
+     cache: the per-layer `rocketkv.prefill` states stacked on a leading layer axis).
+  """
+  import rocketkv_jax as rocketkv  # the core; imported lazily (it imports nothing from here)
+
+  b, length = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+  widx = window_indices(lengths, length, plan.window_size)  # [B, W]
+  x = params["embed"][tokens]
+
+  def layer(x, lp):
+    q, k, v = _qkv(lp, config, x, positions)
+    a = blockwise_causal_attention(
+        q, k, v, sliding_window=config.sliding_window, block_size=block_size)
+    q_window = jnp.take_along_axis(q, widx[:, None, :, None], axis=2)  # [B, Hq, W, Dh]
+    state = rocketkv.prefill(k, v, q_window, plan, lengths=lengths)
+    x = _mlp_residual(lp, config, _attn_residual(lp, x, a))
+    return x, state
+
+  x, cache = lax.scan(layer, x, params["layers"])
+  last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+  return unembed(params, config, last), cache
+
+
+def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarray, *,
+                config: ModelConfig, plan):
+  """The pure decode step `(params, cache, tokens, positions) -> (logits, cache)`.
+
+  Args:
+    params: parameter pytree.
+    cache: stacked per-layer KV states from `prefill` (or a previous step).
+    tokens: `[B]` int32 the token just sampled for each sequence.
+    positions: `[B]` int32 its absolute position (lengths[b] + t for the t-th new token).
+
+  Returns:
+    (logits `[B, V]` fp32 for the next token, updated cache).
+  """
+  import rocketkv_jax as rocketkv
+
+  x = params["embed"][tokens][:, None, :]  # [B, 1, D]
+  pos = positions[:, None]
+
+  def layer(x, xs):
+    lp, state = xs
+    q, k, v = _qkv(lp, config, x, pos)
+    out, state = rocketkv.decode_step(
+        q[:, :, 0], k, v, state, plan, sliding_window=config.sliding_window)
+    x = _mlp_residual(lp, config, _attn_residual(lp, x, out[:, :, None, :]))
+    return x, state
+
+  x, cache = lax.scan(layer, x, (params["layers"], cache))
+  return unembed(params, config, x[:, 0]), cache

