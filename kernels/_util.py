@@ -1,0 +1,50 @@
+"""Small static helpers shared by the Pallas (Triton backend) kernels."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as plgpu
+
+# Triton needs power-of-two tensor sizes; its tensor-core dots need every dim >= 16.
+MIN_DIM = 16
+NEG_INF = float("-inf")
+
+
+def next_pow2(n: int) -> int:
+  """Smallest power of two >= n (n >= 1)."""
+  return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def padded_dim(n: int) -> int:
+  """A dot dimension padded to a power of two >= 16."""
+  return max(MIN_DIM, next_pow2(n))
+
+
+def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
+  """Triton compiler params (passing them selects the Triton backend when lowering for CUDA)."""
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def dot_precision(dtype) -> lax.Precision | None:
+  """fp32 operands: IEEE fp32 (Triton would otherwise use TF32); bf16/fp16: native MMA."""
+  return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def safe_max(m):
+  """Running max with -inf (no valid entry yet) replaced by 0, so exp(x - m) stays finite."""
+  return jnp.where(m == NEG_INF, 0.0, m)
+
+
+def check(cond: bool, msg: str) -> None:
+  if not cond:
+    raise ValueError(msg)
+
+
+def check_rank(name: str, x, rank: int, layout: str) -> None:
+  check(getattr(x, "ndim", None) == rank,
+        f"{name} must have shape {layout} (rank {rank}), got shape {getattr(x, 'shape', None)}")

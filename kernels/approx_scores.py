@@ -1,0 +1,154 @@
+"""RocketKV / SparQ approximate chunk scores from the per-chunk key min / max summaries.
+
+Per KV head (G query heads in its group): keep the `r` head dims with the largest |q| summed
+over the group; per kept dim take the chunk's kmax where the group-summed q is positive, else
+its kmin; logit = q_r . k_bound_r scaled by 1/sqrt(D * sum|q_r| / sum|q|) per query head;
+softmax over the valid chunks per query head; sum over the group.
+
+The top-r dims are picked in XLA (`lax.top_k` over [B, Hkv, D], tiny) and folded into two
+zero-masked queries, q_hi (kept dims where the sign picks kmax) and q_lo (the others), so the
+kernel computes q_hi . kmax + q_lo . kmin with two dense dots instead of gathering columns.
+Grid: (batch, KV head); the chunk axis is walked in blocks twice (online max / sum, then the
+normalised, group-summed scores), so no [G, NC] matrix is ever held whole.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ._util import (NEG_INF, cdiv, check, check_rank, compiler_params, dot_precision,
+                    next_pow2, padded_dim, safe_max)
+
+
+def _kernel(len_ref, qhi_ref, qlo_ref, scale_ref, kmin_ref, kmax_ref, o_ref, *, chunk_size: int,
+            num_chunks: int, group: int, block_c: int):
+  """qhi/qlo [Gp, Dp] f32, scale [Gp], kmin/kmax [NC, Dp], o [NCp] f32."""
+  qhi = qhi_ref[...]
+  qlo = qlo_ref[...]
+  scale = scale_ref[...]
+  gp = qhi.shape[0]
+  n_valid = jnp.minimum(cdiv_dyn(len_ref[()], chunk_size), num_chunks)  # chunks with a slot
+  row_ok = jnp.arange(gp) < group
+  prec = dot_precision(jnp.float32)
+
+  def logits(i):
+    cpos = i * block_c + jnp.arange(block_c)
+    ok = cpos < n_valid
+    rows = pl.ds(i * block_c, block_c)
+    kmx = plgpu.load(kmax_ref.at[rows, :], mask=ok[:, None], other=0).astype(jnp.float32)
+    kmn = plgpu.load(kmin_ref.at[rows, :], mask=ok[:, None], other=0).astype(jnp.float32)
+    s = (pl.dot(qhi, kmx, trans_b=True, precision=prec)
+         + pl.dot(qlo, kmn, trans_b=True, precision=prec)) * scale[:, None]  # [Gp, bc]
+    return jnp.where(ok[None, :], s, NEG_INF), ok
+
+  def stats(i, carry):
+    m, l = carry
+    s, _ = logits(i)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_use = safe_max(m_new)
+    l = jnp.exp(m - m_use) * l + jnp.sum(jnp.exp(s - m_use[:, None]), axis=1)
+    return m_new, l
+
+  m = jnp.full((gp,), NEG_INF, jnp.float32)
+  l = jnp.zeros((gp,), jnp.float32)
+  m, l = lax.fori_loop(0, cdiv_dyn(n_valid, block_c), stats, (m, l))
+  m_use = safe_max(m)
+  inv_l = jnp.where(row_ok, 1.0 / jnp.maximum(l, 1e-30), 0.0)
+
+  def write(i, carry):
+    s, ok = logits(i)
+    p = jnp.exp(s - m_use[:, None]) * inv_l[:, None]
+    o_ref[pl.ds(i * block_c, block_c)] = jnp.where(ok, jnp.sum(p, axis=0), 0.0)
+    return carry
+
+  lax.fori_loop(0, o_ref.shape[0] // block_c, write, 0)
+
+
+def cdiv_dyn(a, b: int):
+  """ceil(a / b) for a traced non-negative int and a static positive int."""
+  return (a + (b - 1)) // b
+
+
+def _check(q, kmin, kmax, length, chunk_size, r):
+  check_rank("q", q, 3, "[B, Hq, D]")
+  check_rank("kmin", kmin, 4, "[B, Hkv, NC, D]")
+  check(kmin.shape == kmax.shape,
+        f"kmin and kmax must have the same shape, got {kmin.shape} and {kmax.shape}")
+  b, hkv, nc, d = kmin.shape
+  check(q.shape[0] == b and q.shape[2] == d,
+        f"q must have shape [B={b}, Hq, D={d}], got {q.shape}")
+  check(q.shape[1] % hkv == 0 and q.shape[1] > 0,
+        f"q heads Hq={q.shape[1]} must be a positive multiple of the KV heads Hkv={hkv}")
+  check(getattr(length, "shape", None) == (b,),
+        f"length must have shape [B]={(b,)}, got {getattr(length, 'shape', None)}")
+  check(isinstance(chunk_size, int) and chunk_size >= 1,
+        f"chunk_size must be an int >= 1, got {chunk_size!r}")
+  check(isinstance(r, int) and 1 <= r <= d, f"r must be an int in [1, D={d}], got {r!r}")
+  check(nc >= 1, "kmin / kmax must hold at least one chunk")
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "r", "interpret", "block_c",
+                                             "num_warps", "num_stages"))
+def approx_chunk_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: jax.Array, *,
+                        chunk_size: int, r: int, interpret: bool = False, block_c: int = 64,
+                        num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+  """Group-summed softmax of RocketKV's approximate chunk logits.
+
+  Args:
+    q: [B, Hq, D] decode query (post-RoPE).
+    kmin, kmax: [B, Hkv, NC, D] per-chunk key min / max (bf16 or fp32).
+    length: [B] int32 valid slots; chunk c is valid when c * chunk_size < length.
+    chunk_size: slots per chunk (static).
+    r: head dims kept (static).
+    interpret: run the kernel in Pallas interpret mode (CPU testing).
+    block_c: chunks per inner step (power of two >= 16).
+    num_warps, num_stages: Triton launch parameters.
+  Returns:
+    [B, Hkv, NC] float32; 0 for chunks with no valid slot. Equals
+    `rocketkv_jax.select.approx_chunk_scores_xla`.
+  """
+  _check(q, kmin, kmax, length, chunk_size, r)
+  check(block_c >= 16 and block_c == next_pow2(block_c),
+        f"block_c must be a power of two >= 16, got {block_c}")
+  b, hq, d = q.shape
+  hkv, nc = kmin.shape[1], kmin.shape[2]
+  g = hq // hkv
+  gp, dp = padded_dim(g), padded_dim(d)
+
+  qg = q.reshape(b, hkv, g, d).astype(jnp.float32)
+  qabs = jnp.abs(qg)
+  _, ridx = lax.top_k(jnp.sum(qabs, axis=2), r)  # [B, Hkv, r]
+  keep = jnp.any(ridx[..., None] == jnp.arange(d), axis=2)[:, :, None, :]  # [B, Hkv, 1, D]
+  hi = (jnp.sum(qg, axis=2) > 0)[:, :, None, :]
+  q_r = jnp.where(keep, qg, 0.0)
+  frac = jnp.sum(jnp.abs(q_r), axis=-1) / jnp.maximum(jnp.sum(qabs, axis=-1), 1e-30)
+  scale = lax.rsqrt(jnp.float32(d) * jnp.where(frac > 0, frac, 1.0))  # [B, Hkv, G]
+  pad_q = ((0, 0), (0, 0), (0, gp - g), (0, dp - d))
+  q_hi = jnp.pad(jnp.where(hi, q_r, 0.0), pad_q)
+  q_lo = jnp.pad(jnp.where(hi, 0.0, q_r), pad_q)
+  scale = jnp.pad(scale, ((0, 0), (0, 0), (0, gp - g)))
+  if dp != d:  # head dim not a power of two >= 16: padded copy of the summaries
+    pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))
+    kmin, kmax = jnp.pad(kmin, pad), jnp.pad(kmax, pad)
+
+  bc = max(16, min(block_c, next_pow2(nc)))
+  ncp = cdiv(nc, bc) * bc
+  kernel = functools.partial(_kernel, chunk_size=chunk_size, num_chunks=nc, group=g, block_c=bc)
+  q_spec = pl.BlockSpec((None, None, gp, dp), lambda i, h: (i, h, 0, 0))
+  k_spec = pl.BlockSpec((None, None, nc, dp), lambda i, h: (i, h, 0, 0))
+  out = pl.pallas_call(
+      kernel, grid=(b, hkv),
+      in_specs=[pl.BlockSpec((None,), lambda i, h: (i,)), q_spec, q_spec,
+                pl.BlockSpec((None, None, gp), lambda i, h: (i, h, 0)), k_spec, k_spec],
+      out_specs=pl.BlockSpec((None, None, ncp), lambda i, h: (i, h, 0)),
+      out_shape=jax.ShapeDtypeStruct((b, hkv, ncp), jnp.float32),
+      compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
+      name="rocketkv_approx_chunk_scores",
+  )(length.astype(jnp.int32), q_hi, q_lo, scale, kmin, kmax)
+  return out[:, :, :nc]

@@ -1,0 +1,164 @@
+"""Sparse decode attention: one query token per sequence attends to `K` gathered cache rows.
+
+Flash-decoding over the rows selected by stage 2. Grid: (batch, KV head, split). Each program
+takes all G query heads of its KV head at once (padded to 16 rows for the tensor-core dot),
+walks its share of the `K` slot indices in blocks of `block_k`, gathers those K/V rows straight
+from the cache inside the kernel (no gathered [B, Hkv, K, D] copy in HBM) and keeps an online
+softmax with fp32 running max / sum. With more than one split, the per-split (o, max, sum)
+partials are merged in XLA (a few [B, Hkv, S, 16, D] float32 ops).
+
+Masked slots are encoded as index -1 (they read row 0 and are masked to -inf before the softmax);
+a query whose slots are all masked gets zeros, as in `rocketkv_jax.attend.sparse_attention_xla`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ._util import (NEG_INF, cdiv, check, check_rank, compiler_params, dot_precision,
+                    next_pow2, padded_dim, safe_max)
+
+# Aim for about this many programs per call (an H200 has 132 SMs); splits are capped so each
+# still has at least one block of slots.
+_TARGET_PROGRAMS = 256
+
+
+def _kernel(q_ref, k_ref, v_ref, idx_ref, *out_refs, block_k: int, num_blocks: int,
+            scale: float, qk_precision, pv_precision, normalize: bool):
+  """q_ref [Gp, Dp]; k_ref, v_ref [C, Dp] (this KV head's whole cache); idx_ref [Ks]."""
+  q = q_ref[...]
+  gp, dp = q.shape
+
+  def body(i, carry):
+    o, m, l = carry
+    ids = idx_ref[pl.ds(i * block_k, block_k)]  # [bk]
+    ok = ids >= 0
+    rows = jnp.maximum(ids, 0)
+    kb = k_ref[rows].astype(q.dtype)  # [bk, Dp] gathered rows
+    vb = v_ref[rows]
+    s = pl.dot(q, kb, trans_b=True, precision=qk_precision) * scale  # [Gp, bk] float32
+    s = jnp.where(ok[None, :], s, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_use = safe_max(m_new)
+    corr = jnp.exp(m - m_use)
+    p = jnp.exp(s - m_use[:, None])
+    l = corr * l + jnp.sum(p, axis=1)
+    o = corr[:, None] * o + pl.dot(p.astype(vb.dtype), vb, precision=pv_precision)
+    return o, m_new, l
+
+  o = jnp.zeros((gp, dp), jnp.float32)
+  m = jnp.full((gp,), NEG_INF, jnp.float32)
+  l = jnp.zeros((gp,), jnp.float32)
+  o, m, l = lax.fori_loop(0, num_blocks, body, (o, m, l))
+  if normalize:  # single split: write the final output
+    (o_ref,) = out_refs
+    o_ref[...] = (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+  else:
+    o_ref, m_ref, l_ref = out_refs
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _check(q, k, v, idx, valid):
+  check_rank("q", q, 3, "[B, Hq, D]")
+  check_rank("k", k, 4, "[B, Hkv, C, D]")
+  check_rank("idx", idx, 3, "[B, Hkv, K]")
+  check(k.shape == v.shape, f"k and v must have the same shape, got {k.shape} and {v.shape}")
+  b, hkv, c, d = k.shape
+  check(q.shape[0] == b and q.shape[2] == d,
+        f"q must have shape [B={b}, Hq, D={d}], got {q.shape}")
+  check(q.shape[1] % hkv == 0 and q.shape[1] > 0,
+        f"q heads Hq={q.shape[1]} must be a positive multiple of the KV heads Hkv={hkv}")
+  check(idx.shape[:2] == (b, hkv) and idx.shape[2] >= 1,
+        f"idx must have shape [B={b}, Hkv={hkv}, K>=1], got {idx.shape}")
+  check(valid.shape == idx.shape, f"valid must have idx's shape {idx.shape}, got {valid.shape}")
+  check(jnp.issubdtype(idx.dtype, jnp.integer), f"idx must be integer, got {idx.dtype}")
+  check(c >= 1, "the cache must have at least one slot")
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    check(jnp.issubdtype(x.dtype, jnp.floating), f"{name} must be floating, got {x.dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_k", "num_splits", "num_warps",
+                                             "num_stages"))
+def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, idx: jax.Array, valid: jax.Array,
+                     *, interpret: bool = False, block_k: int = 32, num_splits: int | None = None,
+                     num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+  """Exact softmax attention of one decode query over gathered cache rows.
+
+  Args:
+    q: [B, Hq, D] query (Hq = G * Hkv).
+    k, v: [B, Hkv, C, D] cache keys / values (bf16 or fp32).
+    idx: [B, Hkv, K] int32 slot indices, already clipped into [0, C).
+    valid: [B, Hkv, K] bool; masked slots contribute nothing.
+    interpret: run the kernel in Pallas interpret mode (CPU testing).
+    block_k: slots gathered per inner step (power of two >= 16).
+    num_splits: split-K partitions per (batch, KV head); None picks one from the grid size.
+    num_warps, num_stages: Triton launch parameters.
+  Returns:
+    [B, Hq, D] in q's dtype, softmax scale 1/sqrt(D), fp32 accumulation; zeros for a query
+    with no valid slot. Equals `rocketkv_jax.attend.sparse_attention_xla`.
+  """
+  _check(q, k, v, idx, valid)
+  check(block_k >= 16 and block_k == next_pow2(block_k),
+        f"block_k must be a power of two >= 16, got {block_k}")
+  b, hq, d = q.shape
+  hkv, c = k.shape[1], k.shape[2]
+  kk = idx.shape[2]
+  g = hq // hkv
+  gp, dp = padded_dim(g), padded_dim(d)
+  cdt = jnp.promote_types(q.dtype, k.dtype)
+
+  qg = q.reshape(b, hkv, g, d).astype(cdt)
+  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, dp - d)))
+  if dp != d:  # head dim not a power of two >= 16: padded copy of the cache (slow path)
+    pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))
+    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+
+  bk = max(16, min(block_k, next_pow2(kk)))
+  if num_splits is None:
+    num_splits = cdiv(_TARGET_PROGRAMS, b * hkv)
+  ns = max(1, min(num_splits, cdiv(kk, bk)))
+  ks = cdiv(cdiv(kk, ns), bk) * bk  # slots per split, a multiple of bk
+  ns = cdiv(kk, ks)
+  enc = jnp.where(valid, idx.astype(jnp.int32), -1)
+  enc = jnp.pad(enc, ((0, 0), (0, 0), (0, ns * ks - kk)), constant_values=-1)
+  enc = enc.reshape(b, hkv, ns, ks)
+
+  normalize = ns == 1
+  kernel = functools.partial(
+      _kernel, block_k=bk, num_blocks=ks // bk, scale=1.0 / math.sqrt(d),
+      qk_precision=dot_precision(cdt), pv_precision=dot_precision(v.dtype), normalize=normalize)
+  kv_spec = pl.BlockSpec((None, None, c, dp), lambda i, h, s: (i, h, 0, 0))
+  in_specs = [pl.BlockSpec((None, None, gp, dp), lambda i, h, s: (i, h, 0, 0)), kv_spec, kv_spec,
+              pl.BlockSpec((None, None, None, ks), lambda i, h, s: (i, h, s, 0))]
+  if normalize:
+    out_shape = [jax.ShapeDtypeStruct((b, hkv, gp, dp), q.dtype)]
+    out_specs = [pl.BlockSpec((None, None, gp, dp), lambda i, h, s: (i, h, 0, 0))]
+  else:
+    out_shape = [jax.ShapeDtypeStruct((b, hkv, ns, gp, dp), jnp.float32),
+                 jax.ShapeDtypeStruct((b, hkv, ns, gp), jnp.float32),
+                 jax.ShapeDtypeStruct((b, hkv, ns, gp), jnp.float32)]
+    out_specs = [pl.BlockSpec((None, None, None, gp, dp), lambda i, h, s: (i, h, s, 0, 0)),
+                 pl.BlockSpec((None, None, None, gp), lambda i, h, s: (i, h, s, 0)),
+                 pl.BlockSpec((None, None, None, gp), lambda i, h, s: (i, h, s, 0))]
+  outs = pl.pallas_call(
+      kernel, grid=(b, hkv, ns), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
+      name="rocketkv_sparse_attention",
+  )(qg, k, v, enc)
+  if normalize:
+    out = outs[0]
+  else:  # merge the split-K partials
+    o, m, l = outs
+    mx = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0))  # [B, Hkv, S, Gp]
+    denom = jnp.maximum(jnp.sum(w * l, axis=2), 1e-30)
+    out = (jnp.sum(w[..., None] * o, axis=2) / denom[..., None]).astype(q.dtype)
+  return out[:, :, :g, :d].reshape(b, hq, d)
