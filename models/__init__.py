@@ -1,1 +1,16 @@
-"""Llama / Mistral Flax ports and checkpoint loading (imported as rocketkv_jax.models)."""
+"""Llama / Mistral ports and checkpoint loading (imported as `rocketkv_jax.models`).
+
+    import rocketkv_jax as rocketkv
+    model = rocketkv.models.load(rocketkv.models.smollm2_path())   # or an HF dir / .gguf
+    logits = model.logits(ids)                                        # [B, T] -> [B, T, V]
+
+Modules: `config` (ModelConfig), `rope`, `attention` (blockwise causal prefill), `llama`
+(the pure network: forward / prefill / decode_step), `hf_loader`, `gguf_loader`, `tokenizer`,
+`checkpoint` (orbax), `sharding` (tensor parallel), `api` (load / Model / smollm2_path).
+"""
+
+from rocketkv_jax.models.api import Model, load, smollm2_path
+from rocketkv_jax.models.config import ModelConfig, RopeScaling
+from rocketkv_jax.models.tokenizer import Tokenizer
+
+__all__ = ["Model", "ModelConfig", "RopeScaling", "Tokenizer", "load", "smollm2_path"]

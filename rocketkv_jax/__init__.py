@@ -20,3 +20,4 @@ __all__ = [
     "cache_overflow", "chunk_summaries", "decode_step", "empty_cache", "evict", "extend",
     "full_cache", "plan", "prefill", "select",
 ]
+from rocketkv_jax.generate import generate

