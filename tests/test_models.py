@@ -1,0 +1,128 @@
+"""Model parity against transformers (PyTorch CPU) on tiny random checkpoints.
+
+Reference: each checkpoint is a transformers model written with `save_pretrained`
+(see `model_fixtures.VARIANTS`): Llama 3.1 (llama3 RoPE scaling, GQA 4:1, untied), Llama 2 /
+LongChat (linear scaling, tied), Mistral v0.1 (sliding window 12 < sequence length).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import jax
+import jax.numpy as jnp
+
+import rocketkv_jax.models as M
+from rocketkv_jax.models import attention, llama
+from rocketkv_jax.models.config import ModelConfig
+from model_fixtures import VARIANTS, hf_checkpoint, random_tokens
+
+
+def _torch_logits(model, tokens):
+  with torch.no_grad():
+    return model(torch.tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_fp32_logits_match_transformers(name):
+  path, ref_model = hf_checkpoint(name)
+  model = M.load(path)
+  tokens = random_tokens(2, 48, seed=1)
+  ours = np.asarray(model.logits(tokens, block_size=16))  # 3 query blocks: skipping exercised
+  ref = _torch_logits(ref_model, tokens)
+  assert ours.shape == ref.shape == (2, 48, 256)
+  np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_mistral_window_is_honoured():
+  """Sanity: the sliding window changes late logits (so the parity above is meaningful)."""
+  path, _ = hf_checkpoint("mistral_sw")
+  model = M.load(path)
+  tokens = random_tokens(1, 48, seed=2)
+  with_w = np.asarray(model.logits(tokens))
+  import dataclasses
+  no_w = np.asarray(M.Model(dataclasses.replace(model.config, sliding_window=None),
+                            model.params).logits(tokens))
+  np.testing.assert_allclose(with_w[:, :12], no_w[:, :12], atol=1e-5)
+  assert np.abs(with_w[:, 20:] - no_w[:, 20:]).max() > 1e-2
+
+
+def test_bf16_logits_close_to_fp32():
+  path, ref_model = hf_checkpoint("llama31")
+  model = M.load(path, dtype=jnp.bfloat16)
+  assert model.params["layers"]["wq"].dtype == jnp.bfloat16
+  tokens = random_tokens(1, 32, seed=3)
+  ours = np.asarray(model.logits(tokens))
+  ref = _torch_logits(ref_model, tokens)
+  assert np.abs(ours - ref).max() < 0.1 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("window", [None, 5, 16])
+@pytest.mark.parametrize("length,block", [(37, 8), (64, 16), (10, 64)])
+def test_blockwise_attention_matches_dense(length, block, window):
+  rng = np.random.default_rng(length + block)
+  q = jnp.asarray(rng.normal(size=(2, 6, length, 8)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(2, 2, length, 8)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(2, 2, length, 8)), jnp.float32)
+  got = attention.blockwise_causal_attention(q, k, v, sliding_window=window, block_size=block)
+  want = attention.reference_attention(q, k, v, sliding_window=window)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
+def test_prefill_never_builds_a_length_squared_tensor():
+  """The jaxpr of an 8K-token attention holds nothing of size >= L*L (only block tiles)."""
+  length = 8192
+  q = jax.ShapeDtypeStruct((1, 9, length, 64), jnp.float32)
+  k = jax.ShapeDtypeStruct((1, 3, length, 64), jnp.float32)
+  jaxpr = jax.make_jaxpr(lambda q, k, v: attention.blockwise_causal_attention(q, k, v))(q, k, k)
+  biggest = 0
+
+  from jax.extend.core import jaxprs_in_params
+
+  def walk(jp):
+    nonlocal biggest
+    for eqn in jp.eqns:
+      for var in eqn.outvars:
+        biggest = max(biggest, int(np.prod(getattr(var.aval, "shape", ()) or (1,))))
+      for sub in jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jaxpr.jaxpr)
+  assert biggest < length * length
+  assert biggest <= 9 * length * 64  # never more than a q-sized tensor
+
+
+def test_config_from_rope_parameters_form():
+  base = dict(model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=128,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+  old = ModelConfig.from_hf(dict(base, rope_theta=500000.0, rope_scaling=dict(
+      rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+      original_max_position_embeddings=8192)))
+  new = ModelConfig.from_hf(dict(base, rope_parameters=dict(
+      rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+      high_freq_factor=4.0, original_max_position_embeddings=8192)))
+  assert old == new and old.rope_scaling.rope_type == "llama3" and old.head_dim == 16
+  lin = ModelConfig.from_hf(dict(base, rope_scaling=dict(type="linear", factor=8.0)))
+  assert lin.rope_scaling.rope_type == "linear" and lin.rope_scaling.factor == 8.0
+
+
+def test_config_errors_name_the_problem():
+  base = dict(model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=128,
+              num_hidden_layers=2, num_attention_heads=4)
+  with pytest.raises(ValueError, match="model_type 'gpt2'"):
+    ModelConfig.from_hf(dict(base, model_type="gpt2"))
+  with pytest.raises(ValueError, match="rope type 'yarn'"):
+    ModelConfig.from_hf(dict(base, rope_scaling=dict(rope_type="yarn", factor=2.0)))
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    ModelConfig.from_hf(dict(base, num_key_value_heads=3))
+
+
+def test_init_params_match_param_shapes():
+  cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=4)
+  params = llama.init_params(cfg)
+  shapes = jax.tree.map(lambda x: x.shape, params)
+  assert shapes == jax.tree.map(tuple, llama.param_shapes(cfg),
+                                is_leaf=lambda x: isinstance(x, tuple))
+  logits = llama.forward(params, jnp.zeros((1, 5), jnp.int32), config=cfg)
+  assert logits.shape == (1, 5, 32)
