@@ -75,3 +75,35 @@ def hf_checkpoint(name: str, seed: int = 0):
 def random_tokens(batch: int, length: int, seed: int = 0, vocab: int = 256) -> np.ndarray:
   rng = np.random.default_rng(seed)
   return rng.integers(3, vocab, size=(batch, length), dtype=np.int32)
+
+
+PARAGRAPHS = [
+    "The Apollo 11 mission launched on July 16, 1969, carrying Neil Armstrong, Buzz Aldrin "
+    "and Michael Collins. Four days later, at 20:17 UTC, the lunar module Eagle touched down "
+    "in the Sea of Tranquility -- roughly 384,400 km from home.",
+    "Caf\u00e9 owners in Montr\u00e9al often say: \u00ab le caf\u00e9, c'est sacr\u00e9 \u00bb. "
+    "Don't worry, we'll     keep    the spacing!\n\n  Indented line\twith a tab.\n",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\nprint([fib(i) for i "
+    "in range(10)])  # 0, 1, 1, 2, 3, 5, 8 ... \U0001F680 \u4f60\u597d\u4e16\u754c",
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@functools.lru_cache(maxsize=None)
+def smollm2_ours():
+  import rocketkv_jax.models as M
+
+  return M.load(M.smollm2_path())
+
+
+@functools.lru_cache(maxsize=None)
+def smollm2_transformers():
+  """(tokenizer, model) from transformers' own GGUF loader (dequantised to fp32)."""
+  import torch
+  from transformers import AutoModelForCausalLM, AutoTokenizer
+
+  path = smollm2_gguf()
+  directory, name = os.path.split(path)
+  tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+  model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+  return tok, model.eval()

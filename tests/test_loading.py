@@ -1,0 +1,158 @@
+"""Checkpoint loading: HF directories (single / sharded safetensors), GGUF (the real SmolLM2),
+tokenizers, orbax round trip, and the error messages."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import jax
+import jax.numpy as jnp
+
+import rocketkv_jax as rocketkv
+import rocketkv_jax.models as M
+from rocketkv_jax.models import checkpoint, gguf_loader
+from rocketkv_jax.models.tokenizer import Tokenizer
+from model_fixtures import (PARAGRAPHS, hf_checkpoint, random_tokens, smollm2_ours,
+                            smollm2_transformers, _TMP)
+
+
+def _copy(name, dst_name):
+  src, _ = hf_checkpoint(name)
+  dst = os.path.join(_TMP.name, dst_name)
+  shutil.rmtree(dst, ignore_errors=True)
+  shutil.copytree(src, dst)
+  return dst
+
+
+def test_sharded_safetensors_with_index():
+  _, ref_model = hf_checkpoint("llama31")
+  path = os.path.join(_TMP.name, "llama31_sharded")
+  ref_model.save_pretrained(path, safe_serialization=True, max_shard_size="40KB")
+  assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+  model = M.load(path)
+  tokens = random_tokens(1, 16, seed=4)
+  with torch.no_grad():
+    ref = ref_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  np.testing.assert_allclose(np.asarray(model.logits(tokens)), ref, atol=1e-4)
+
+
+def test_missing_files_raise_clear_errors(tmp_path):
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    M.load(str(tmp_path / "nope"))
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    M.load(str(tmp_path))
+  path = _copy("llama31", "no_weights")
+  os.remove(os.path.join(path, "model.safetensors"))
+  with pytest.raises(FileNotFoundError, match="model.safetensors"):
+    M.load(path)
+  with pytest.raises(FileNotFoundError, match="GGUF file"):
+    gguf_loader.open_gguf(str(tmp_path / "x.gguf"))
+
+
+def _edit_config(path, **changes):
+  with open(os.path.join(path, "config.json")) as f:
+    cfg = json.load(f)
+  cfg.update(changes)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(cfg, f)
+
+
+def test_unsupported_architecture_and_rope_type():
+  path = _copy("llama31", "bad_arch")
+  _edit_config(path, model_type="gpt_neox")
+  with pytest.raises(ValueError, match="model_type 'gpt_neox' is not supported"):
+    M.load(path)
+  path = _copy("llama31", "bad_rope")
+  _edit_config(path, rope_scaling=None, rope_parameters=dict(rope_type="yarn", factor=4.0,
+                                                             rope_theta=10000.0))
+  with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+    M.load(path)
+
+
+def test_shape_mismatch_between_config_and_weights():
+  path = _copy("llama31", "bad_shape")
+  _edit_config(path, intermediate_size=96)
+  with pytest.raises(ValueError, match="shape mismatch.*gate_proj"):
+    M.load(path)
+
+
+def test_prompt_longer_than_context():
+  path, _ = hf_checkpoint("llama31")
+  model = M.load(path)
+  with pytest.raises(ValueError, match="context of 512"):
+    model.logits(np.zeros((1, 513), np.int32))
+  with pytest.raises(ValueError, match="exceeds the model's context of 512"):
+    rocketkv.generate(model, [list(range(3, 500))], method="full", max_new_tokens=20)
+
+
+def test_orbax_round_trip(tmp_path):
+  path, _ = hf_checkpoint("llama31")
+  tiny = M.load(path, dtype=jnp.bfloat16)
+  tok = smollm2_ours().tokenizer  # any tokenizer: checks it travels with the params
+  model = M.Model(tiny.config, tiny.params, tok)
+  checkpoint.save(model, str(tmp_path / "ckpt"))
+  back = checkpoint.restore(str(tmp_path / "ckpt"))
+  assert back.config == model.config
+  assert back.params["layers"]["wq"].dtype == jnp.bfloat16
+  for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(model.params)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  tokens = random_tokens(1, 8)
+  np.testing.assert_array_equal(np.asarray(back.logits(tokens)), np.asarray(model.logits(tokens)))
+  text = PARAGRAPHS[0]
+  assert back.tokenizer.encode(text) == tok.encode(text)
+  assert back.tokenizer.chat_template == tok.chat_template
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+  # llama.cpp convert_hf_to_gguf: reshape(n_head, 2, rows/n_head/2, cols).swapaxes(1, 2)
+  w = np.arange(6 * 8 * 3, dtype=np.float32).reshape(6 * 8, 3)
+  n_head = 6
+  permuted = w.reshape(n_head, 2, w.shape[0] // n_head // 2, 3).swapaxes(1, 2).reshape(w.shape)
+  np.testing.assert_array_equal(gguf_loader.unpermute_rope_rows(permuted, n_head), w)
+
+
+# ------------------------------------------------------------------ the real SmolLM2 GGUF
+def test_smollm2_config_from_gguf():
+  cfg = smollm2_ours().config
+  assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
+  assert cfg.max_position_embeddings == 8192 and cfg.tie_word_embeddings
+  assert cfg.vocab_size == 49152 and cfg.rope_theta == 100000.0
+
+
+def test_smollm2_tokenizer_matches_transformers():
+  tok_ref, _ = smollm2_transformers()
+  ours = smollm2_ours().tokenizer
+  for text in PARAGRAPHS:
+    ids = ours.encode(text)
+    assert ids == tok_ref(text).input_ids, text
+    assert ours.decode(ids, skip_special_tokens=False) == text
+  msgs = [{"role": "user", "content": "Where is the key?"}]
+  assert ours.apply_chat_template(msgs) == tok_ref.apply_chat_template(
+      msgs, tokenize=False, add_generation_prompt=True)
+
+
+def test_tokenizer_from_hf_directory(tmp_path):
+  tok_ref, _ = smollm2_transformers()
+  tok_ref.save_pretrained(str(tmp_path))
+  ours = Tokenizer.from_hf_dir(str(tmp_path))
+  for text in PARAGRAPHS:
+    assert ours.encode(text) == tok_ref(text).input_ids
+
+
+def test_smollm2_logits_match_transformers_gguf_load():
+  _, ref_model = smollm2_transformers()
+  model = smollm2_ours()
+  ids = model.tokenizer.encode(" ".join(PARAGRAPHS * 2))
+  ids = ids[:200]
+  assert len(ids) == 200
+  ours = np.asarray(model.logits(np.array([ids]), block_size=64))
+  with torch.no_grad():
+    ref = ref_model(torch.tensor([ids])).logits.numpy()
+  # 30 layers in fp32, |logits| up to ~40: 1e-4 relative to the logit scale.
+  scale = np.abs(ref).max()
+  assert np.abs(ours - ref).max() <= 1e-4 * scale
+  assert (ours.argmax(-1) == ref.argmax(-1)).mean() == 1.0
