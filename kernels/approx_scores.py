@@ -43,8 +43,8 @@ def _kernel(len_ref, qhi_ref, qlo_ref, scale_ref, kmin_ref, kmax_ref, o_ref, *, 
     rows = pl.ds(i * block_c, block_c)
     kmx = plgpu.load(kmax_ref.at[rows, :], mask=ok[:, None], other=0).astype(jnp.float32)
     kmn = plgpu.load(kmin_ref.at[rows, :], mask=ok[:, None], other=0).astype(jnp.float32)
-    s = (pl.dot(qhi, kmx, trans_b=True, precision=prec)
-         + pl.dot(qlo, kmn, trans_b=True, precision=prec)) * scale[:, None]  # [Gp, bc]
+    s = (plgpu.dot(qhi, kmx, trans_b=True, precision=prec)
+         + plgpu.dot(qlo, kmn, trans_b=True, precision=prec)) * scale[:, None]  # [Gp, bc]
     return jnp.where(ok[None, :], s, NEG_INF), ok
 
   def stats(i, carry):

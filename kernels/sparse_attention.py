@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from ._util import (NEG_INF, cdiv, check, check_rank, compiler_params, dot_precision,
                     next_pow2, padded_dim, safe_max)
@@ -42,14 +43,14 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, *out_refs, block_k: int, num_blocks: i
     rows = jnp.maximum(ids, 0)
     kb = k_ref[rows].astype(q.dtype)  # [bk, Dp] gathered rows
     vb = v_ref[rows]
-    s = pl.dot(q, kb, trans_b=True, precision=qk_precision) * scale  # [Gp, bk] float32
+    s = plgpu.dot(q, kb, trans_b=True, precision=qk_precision) * scale  # [Gp, bk] float32
     s = jnp.where(ok[None, :], s, NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_use = safe_max(m_new)
     corr = jnp.exp(m - m_use)
     p = jnp.exp(s - m_use[:, None])
     l = corr * l + jnp.sum(p, axis=1)
-    o = corr[:, None] * o + pl.dot(p.astype(vb.dtype), vb, precision=pv_precision)
+    o = corr[:, None] * o + plgpu.dot(p.astype(vb.dtype), vb, precision=pv_precision)
     return o, m_new, l
 
   o = jnp.zeros((gp, dp), jnp.float32)

@@ -37,7 +37,7 @@ def _logits(q, k_ref, start, n, rb, *, window: int, rows: int, block_l: int, sca
   bm = q.shape[0]
   kpos = start + jnp.arange(block_l)
   kb = plgpu.load(k_ref.at[pl.ds(start, block_l), :], mask=(kpos < n)[:, None], other=0)
-  s = pl.dot(q, kb.astype(q.dtype), trans_b=True, precision=precision) * scale
+  s = plgpu.dot(q, kb.astype(q.dtype), trans_b=True, precision=precision) * scale
   r = rb * bm + jnp.arange(bm)
   qpos = n - window + r % window
   ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < n) & (r < rows)[:, None]
