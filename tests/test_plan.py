@@ -1,0 +1,79 @@
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rocketkv_jax as rocketkv
+from reference import plan_split
+
+
+def test_paper_example():
+  p = rocketkv.plan(rocketkv.RocketConfig(token_budget=256), 32668, 100, 128)
+  assert (p.capacity, p.prompt_budget, p.top_k, p.chunk_size, p.r) == (1618, 1518, 128, 3, 61)
+
+
+@pytest.mark.parametrize("prompt,new,budget,d", [
+    (32668, 100, 256, 128), (131000, 72, 512, 128), (16000, 200, 1024, 64),
+    (4000, 50, 128, 64), (8000, 500, 64, 64), (65536, 1, 4096, 128)])
+def test_matches_formula_when_compressing(prompt, new, budget, d):
+  p = rocketkv.plan(rocketkv.RocketConfig(token_budget=budget), prompt, new, d)
+  assert (p.capacity, p.prompt_budget, p.top_k, p.chunk_size, p.r) == plan_split(
+      prompt, new, budget, d)
+
+
+def test_no_compression_keeps_everything():
+  p = rocketkv.plan(rocketkv.RocketConfig(token_budget=4096), 1000, 20, 64)
+  assert p.prompt_budget == 1000 and p.capacity == 1020
+  assert (p.chunk_size, p.r, p.top_k) == (1, 64, 2048)
+
+
+def test_tiny():
+  p = rocketkv.plan(rocketkv.RocketConfig(token_budget=32, window_size=4), 40, 2, 8)
+  assert p.prompt_budget <= 40 and p.capacity == p.prompt_budget + 2
+  assert 1 <= p.r <= 8 and p.chunk_size >= 1 and p.top_k == 16
+
+
+def test_overrides():
+  cfg = rocketkv.RocketConfig(token_budget=256, alpha=0.5, top_k=77, chunk_size=5, r=9)
+  p = rocketkv.plan(cfg, 32668, 100, 128)
+  t, cr = 32768, 32768 / 256
+  assert p.capacity == max(int(t / cr**0.5), 200)
+  assert (p.top_k, p.chunk_size, p.r) == (77, 5, 9)
+  p2 = rocketkv.plan(dataclasses.replace(cfg, prompt_budget=900), 32668, 100, 128)
+  assert (p2.prompt_budget, p2.capacity) == (900, 1000)
+
+
+def test_config_hashable_and_static():
+  a = rocketkv.RocketConfig(token_budget=256)
+  b = rocketkv.RocketConfig(token_budget=256)
+  assert hash(a) == hash(b) and a == b
+  assert hash(rocketkv.plan(a, 1000, 10, 64)) == hash(rocketkv.plan(b, 1000, 10, 64))
+
+
+@given(prompt=st.integers(64, 200_000), new=st.integers(0, 2000),
+       budget=st.integers(32, 8192), d=st.sampled_from([64, 80, 128]))
+@settings(max_examples=200, deadline=None)
+def test_plan_invariants(prompt, new, budget, d):
+  p = rocketkv.plan(rocketkv.RocketConfig(token_budget=budget), prompt, new, d)
+  assert 32 <= p.prompt_budget <= prompt or p.prompt_budget == prompt
+  assert p.capacity == p.prompt_budget + new
+  assert p.capacity <= prompt + new
+  assert 1 <= p.r <= d and p.chunk_size >= 1 and p.top_k == budget // 2
+  cap, pb, _, chunk, r = plan_split(prompt, new, budget, d)
+  if 32 <= pb <= prompt and cap <= prompt + new:
+    assert (p.capacity, p.prompt_budget, p.chunk_size, p.r) == (cap, pb, chunk, r)
+
+
+@pytest.mark.parametrize("method,budget,expect", [
+    ("full", 64, dict(capacity=1010, prompt_budget=1000, top_k=0)),
+    ("snapkv", 256, dict(capacity=266, prompt_budget=256, top_k=0)),
+    ("streamingllm", 256, dict(capacity=266, prompt_budget=256, top_k=256)),
+    ("quest", 256, dict(capacity=1010, chunk_size=16, top_k=256)),
+    ("sparq", 256, dict(capacity=1010, chunk_size=1, top_k=128, r=16)),
+    ("exact_topk", 256, dict(capacity=1010, top_k=256)),
+])
+def test_baseline_plans(method, budget, expect):
+  p = rocketkv.plan(rocketkv.RocketConfig(token_budget=budget, method=method), 1000, 10, 64)
+  for key, val in expect.items():
+    assert getattr(p, key) == val, key

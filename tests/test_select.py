@@ -1,0 +1,96 @@
+"""Stage 2 selection against the float64 reference. Tie-tolerant: the chosen slots must carry
+the same reference score mass as the reference top-k (slots of one chunk share a score)."""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rocketkv_jax as rocketkv
+import reference as ref
+
+
+def _cache(seed, b, hkv, c, d, lengths, chunk, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  k = rng.standard_normal((b, hkv, c, d)).astype(np.float32)
+  k[:, :, :, 0] *= 4.0  # an outlier channel, as real keys have
+  cache = rocketkv.full_cache(jnp.asarray(k, dtype), jnp.asarray(k, dtype), c, chunk,
+                              jnp.asarray(lengths, jnp.int32))
+  return cache, np.asarray(cache.k, np.float32)
+
+
+def _check_mass(idx, scores, length, top_k):
+  """idx [Hkv, K] chosen slots; scores [Hkv, C] reference (-inf invalid)."""
+  for h in range(scores.shape[0]):
+    chosen = np.asarray(idx[h])
+    n = min(top_k, length)
+    assert len(set(chosen.tolist())) == len(chosen), "no slot twice"
+    valid_chosen = chosen[chosen < length]
+    assert len(valid_chosen) == n, "every valid slot when top_k >= length, else only valid"
+    want = np.sort(scores[h, :length])[::-1][:n].sum()
+    got = scores[h, valid_chosen].sum()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@given(seed=st.integers(0, 10_000), g=st.sampled_from([1, 3, 4]), hkv=st.sampled_from([1, 2]),
+       c=st.integers(8, 120), chunk=st.integers(1, 6), r=st.integers(1, 16),
+       top_k=st.integers(1, 64), short=st.integers(0, 7))
+@settings(max_examples=40, deadline=None)
+def test_rocketkv_select_matches_reference(seed, g, hkv, c, chunk, r, top_k, short):
+  d, b = 16, 2
+  lengths = [c, max(1, c - short * 7)]
+  cache, k = _cache(seed, b, hkv, c, d, lengths, chunk)
+  q = np.random.default_rng(seed + 1).standard_normal((b, g * hkv, d)).astype(np.float32)
+  cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, chunk_size=chunk, r=r,
+                              top_k=top_k)
+  plan = rocketkv.plan(cfg, c, 0, d)
+  plan = plan.__class__(**{**plan.__dict__, "capacity": c})
+  idx = rocketkv.select(jnp.asarray(q), cache, plan)
+  assert idx.shape == (b, hkv, min(top_k, c)) and idx.dtype == jnp.int32
+  for bi in range(b):
+    scores = ref.approx_slot_scores(q[bi], k[bi], lengths[bi], chunk, r)
+    _check_mass(np.asarray(idx[bi]), scores, lengths[bi], min(top_k, c))
+
+
+def _plan(method, c, d, **kw):
+  p = rocketkv.plan(rocketkv.RocketConfig(token_budget=kw.pop("budget", 24), method=method,
+                                          **kw), c, 0, d)
+  return p
+
+
+@pytest.mark.parametrize("method", ["quest", "exact_topk", "sparq"])
+def test_baseline_select_matches_reference(method):
+  b, hkv, g, c, d = 2, 2, 4, 96, 16
+  lengths = [96, 50]
+  plan = _plan(method, c, d, page_size=8)
+  cache, k = _cache(7, b, hkv, c, d, lengths, plan.chunk_size)
+  q = np.random.default_rng(8).standard_normal((b, g * hkv, d)).astype(np.float32)
+  idx = rocketkv.select(jnp.asarray(q), cache, plan)
+  for bi in range(b):
+    if method == "quest":
+      scores = ref.quest_slot_scores(q[bi], k[bi], lengths[bi], 8)
+    elif method == "exact_topk":
+      scores = ref.exact_slot_scores(q[bi], k[bi], lengths[bi])
+    else:
+      scores = ref.approx_slot_scores(q[bi], k[bi], lengths[bi], 1, plan.r)
+    _check_mass(np.asarray(idx[bi]), scores, lengths[bi], plan.top_k)
+
+
+def test_streaming_select_is_sinks_plus_recent():
+  plan = _plan("streamingllm", 64, 8, budget=12, sink_size=4)
+  cache, _ = _cache(0, 2, 1, 64, 8, [64, 9], plan.chunk_size)
+  plan = plan.__class__(**{**plan.__dict__, "capacity": 64})
+  idx = np.asarray(rocketkv.select(jnp.zeros((2, 2, 8)), cache, plan))
+  np.testing.assert_array_equal(idx[0, 0], [0, 1, 2, 3] + list(range(56, 64)))
+  np.testing.assert_array_equal(idx[1, 0], list(range(12)))
+
+
+def test_top_k_at_least_length_selects_every_valid_slot():
+  cache, _ = _cache(3, 1, 2, 40, 16, [17], 4)
+  cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, chunk_size=4, r=5, top_k=30)
+  plan = rocketkv.plan(cfg, 40, 0, 16)
+  idx = np.asarray(rocketkv.select(jnp.ones((1, 4, 16)), cache, plan))
+  for h in range(2):
+    assert set(range(17)) <= set(idx[0, h].tolist())
