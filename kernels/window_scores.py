@@ -113,7 +113,7 @@ def _check(q_window, k, lengths):
                                              "num_warps", "num_stages"))
 def window_scores(q_window: jax.Array, k: jax.Array, lengths: jax.Array, *,
                   interpret: bool = False, block_m: int = 128, block_l: int | None = None,
-                  num_splits: int | None = None, num_warps: int = 4,
+                  num_splits: int | None = None, num_warps: int | None = None,
                   num_stages: int = 2) -> jax.Array:
   """Window-to-key attention mass, summed over the window and the group.
 
@@ -123,9 +123,11 @@ def window_scores(q_window: jax.Array, k: jax.Array, lengths: jax.Array, *,
     lengths: [B] int32 valid prompt lengths.
     interpret: run the kernels in Pallas interpret mode (CPU testing).
     block_m: query rows per tile (power of two >= 16); G*W rows are tiled by it.
-    block_l: keys per tile (power of two >= 16); None: 16384 // block_m, at most 128.
+    block_l: keys per tile (power of two >= 16); None: 8192 // block_m, clamped to [16, 64]
+      (a [block_m, block_l] fp32 logit tile stays in registers).
     num_splits: programs along L per (batch, KV head, row block); None picks one.
-    num_warps, num_stages: Triton launch parameters.
+    num_warps: Triton warps; None: 4, or 8 for tiles of more than 4096 logits.
+    num_stages: Triton software-pipelining stages.
   Returns:
     [B, Hkv, L] float32, 0 at padding. Equals `rocketkv_jax.evict.window_scores_xla`.
   """
@@ -138,8 +140,10 @@ def window_scores(q_window: jax.Array, k: jax.Array, lengths: jax.Array, *,
   bm = min(mp, max(16, next_pow2(block_m)))
   nrb = mp // bm
   if block_l is None:
-    block_l = max(16, min(128, 16384 // bm))
+    block_l = max(16, min(64, 8192 // bm))
   bl = max(16, min(next_pow2(block_l), next_pow2(l)))
+  if num_warps is None:
+    num_warps = 8 if bm * bl > 4096 else 4
   nlb = cdiv(l, bl)
   if num_splits is None:
     num_splits = cdiv(_TARGET_PROGRAMS, b * hkv * nrb)

@@ -33,20 +33,19 @@ approx_chunk_scores_xla = jax.jit(_approx_xla, static_argnums=(4, 5))
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
-def _keys(seed, n):
-  return jax.random.split(jax.random.PRNGKey(seed), n)
+def _rng(seed):
+  return np.random.default_rng(seed)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _normal(key, shape, dtype, scale=1.0):
-  return (scale * jax.random.normal(key, shape, F32)).astype(dtype)
+def _normal(rng, shape, dtype, scale=1.0):
+  """Host-side random data (numpy): no per-shape RNG compilation."""
+  return jnp.asarray((scale * rng.standard_normal(shape)).astype(np.float32)).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _perm_rows(key, rows, c, kk):
-  """[rows, kk] int32: distinct slots per row."""
-  keys = jax.random.split(key, rows)
-  return jax.vmap(lambda k: jax.random.permutation(k, c)[:kk])(keys).astype(jnp.int32)
+def _perm_rows(rng, shape, c, kk):
+  """[*shape, kk] int32: distinct slots per row."""
+  rows = [rng.permutation(c)[:kk] for _ in range(int(np.prod(shape)))]
+  return jnp.asarray(np.stack(rows).reshape(*shape, kk).astype(np.int32))
 
 
 def _close(out, ref, dtype, scale=1.0):
@@ -73,20 +72,22 @@ SPARSE_CASES = [
 @pytest.mark.parametrize("case", SPARSE_CASES, ids=lambda c: f"G{c[1] // c[2]}-D{c[4]}-K{c[5]}")
 def test_sparse_attention_interpret(case):
   b, hq, hkv, c, d, kk, qdt, kdt, pattern, kw = case
-  ks = _keys(kk + c, 5)
-  q = _normal(ks[0], (b, hq, d), qdt)
-  k = _normal(ks[1], (b, hkv, c, d), kdt, 2.0)
-  v = _normal(ks[2], (b, hkv, c, d), kdt)
-  idx = _perm_rows(ks[3], b * hkv, c, kk).reshape(b, hkv, kk)
+  rng = _rng(kk + c)
+  q = _normal(rng, (b, hq, d), qdt)
+  k = _normal(rng, (b, hkv, c, d), kdt, 2.0)
+  v = _normal(rng, (b, hkv, c, d), kdt)
+  idx = _perm_rows(rng, (b, hkv), c, kk)
   if pattern == "random":
-    valid = jax.random.bernoulli(ks[4], 0.6, (b, hkv, kk))
+    valid = rng.random((b, hkv, kk)) < 0.6
   elif pattern == "ragged":  # sequence b holds `length[b]` slots
-    length = jnp.array([c, 5][:b])
-    valid = idx < length[:, None, None]
+    valid = np.asarray(idx) < np.array([c, 5][:b])[:, None, None]
   elif pattern == "first":
-    valid = jnp.zeros((b, hkv, kk), bool).at[:, :, 0].set(True)
+    valid = np.zeros((b, hkv, kk), bool)
+    valid[:, :, 0] = True
   elif pattern == "full/none":  # sequence 0 attends to its whole cache, sequence 1 to nothing
-    valid = jnp.ones((b, hkv, kk), bool).at[1].set(False)
+    valid = np.ones((b, hkv, kk), bool)
+    valid[1] = False
+  valid = jnp.asarray(valid)
   out = kernels.sparse_attention(q, k, v, idx, valid, interpret=True, **kw)
   ref = sparse_attention_xla(q, k, v, idx, valid)
   assert out.dtype == q.dtype
@@ -110,9 +111,9 @@ APPROX_CASES = [
 @pytest.mark.parametrize("case", APPROX_CASES, ids=lambda c: f"G{c[1] // c[2]}-D{c[4]}-cs{c[5]}")
 def test_approx_chunk_scores_interpret(case):
   b, hq, hkv, c, d, cs, r, dt, lengths, kw = case
-  ks = _keys(c + r, 2)
-  q = _normal(ks[0], (b, hq, d), dt)
-  k = _normal(ks[1], (b, hkv, c, d), dt)
+  rng = _rng(c + r)
+  q = _normal(rng, (b, hq, d), dt)
+  k = _normal(rng, (b, hkv, c, d), dt)
   length = jnp.array(lengths, jnp.int32)
   kmin, kmax = _summaries(k, length, cs)
   out = kernels.approx_chunk_scores(q, kmin, kmax, length, chunk_size=cs, r=r, interpret=True,
@@ -140,9 +141,9 @@ WINDOW_CASES = [
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"G{c[1] // c[2]}-D{c[5]}-L{c[3]}")
 def test_window_scores_interpret(case):
   b, hq, hkv, l, w, d, dt, lengths, kw = case
-  ks = _keys(l + w, 2)
-  q = _normal(ks[0], (b, hq, w, d), dt)
-  k = _normal(ks[1], (b, hkv, l, d), dt)
+  rng = _rng(l + w)
+  q = _normal(rng, (b, hq, w, d), dt)
+  k = _normal(rng, (b, hkv, l, d), dt)
   lengths = jnp.array(lengths, jnp.int32)
   out = kernels.window_scores(q, k, lengths, interpret=True, **kw)
   ref = window_scores_xla(q, k, lengths)
@@ -261,18 +262,17 @@ def test_decode_step_pallas_matches_xla():
   b, hq, hkv, d, prompt, new = 2, 8, 2, 64, 200, 20
   plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=64), prompt, new, d)
   assert plan.prompt_budget < prompt and plan.top_k < plan.capacity  # both stages active
-  ks = _keys(7, 4)
-  k = jax.random.normal(ks[0], (b, hkv, prompt, d), F32)
-  v = jax.random.normal(ks[1], (b, hkv, prompt, d), F32)
-  qw = jax.random.normal(ks[2], (b, hq, plan.window_size, d), F32)
+  rng = _rng(7)
+  k = _normal(rng, (b, hkv, prompt, d), F32)
+  v = _normal(rng, (b, hkv, prompt, d), F32)
+  qw = _normal(rng, (b, hq, plan.window_size, d), F32)
   lengths = jnp.array([prompt, 150], jnp.int32)
   caches = {impl: _prefill(k, v, qw, lengths, plan, impl) for impl in ("xla", "pallas")}
   np.testing.assert_array_equal(caches["xla"].pos, caches["pallas"].pos)  # same tokens kept
-  for step, key in enumerate(jax.random.split(ks[3], new)):
-    kq, kk, kv = jax.random.split(key, 3)
-    q = jax.random.normal(kq, (b, hq, d), F32)
-    k_new = jax.random.normal(kk, (b, hkv, 1, d), F32)
-    v_new = jax.random.normal(kv, (b, hkv, 1, d), F32)
+  for step in range(new):
+    q = _normal(rng, (b, hq, d), F32)
+    k_new = _normal(rng, (b, hkv, 1, d), F32)
+    v_new = _normal(rng, (b, hkv, 1, d), F32)
     outs = {}
     for impl in ("xla", "pallas"):
       outs[impl], caches[impl] = _step(q, k_new, v_new, caches[impl], plan, impl)
