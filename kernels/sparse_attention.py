@@ -5,7 +5,8 @@ takes all G query heads of its KV head at once (padded to 16 rows for the tensor
 walks its share of the `K` slot indices in blocks of `block_k`, gathers those K/V rows straight
 from the cache inside the kernel (no gathered [B, Hkv, K, D] copy in HBM) and keeps an online
 softmax with fp32 running max / sum. With more than one split, the per-split (o, max, sum)
-partials are merged in XLA (a few [B, Hkv, S, 16, D] float32 ops).
+partials of the G real rows are merged in XLA (a few [B, Hkv, S, G, D] float32 ops);
+padding rows of the 16-row tile are never stored.
 
 Masked slots are encoded as index -1 (they read row 0 and are masked to -inf before the softmax);
 a query whose slots are all masked gets zeros, as in `rocketkv_jax.attend.sparse_attention_xla`.
@@ -31,8 +32,10 @@ _TARGET_PROGRAMS = 256
 
 
 def _kernel(q_ref, k_ref, v_ref, idx_ref, *out_refs, block_k: int, num_blocks: int,
-            scale: float, qk_precision, pv_precision, normalize: bool):
-  """q_ref [Gp, Dp]; k_ref, v_ref [C, Dp] (this KV head's whole cache); idx_ref [Ks]."""
+            scale: float, qk_precision, pv_precision, normalize: bool, group: int):
+  """q_ref [Gp, Dp]; k_ref, v_ref [C, Dp] (this KV head's whole cache); idx_ref [Ks].
+
+  Only the `group` real query rows are written (masked stores): padding rows cost no HBM."""
   q = q_ref[...]
   gp, dp = q.shape
 
@@ -57,14 +60,16 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, *out_refs, block_k: int, num_blocks: i
   m = jnp.full((gp,), NEG_INF, jnp.float32)
   l = jnp.zeros((gp,), jnp.float32)
   o, m, l = lax.fori_loop(0, num_blocks, body, (o, m, l))
+  real = jnp.arange(gp) < group
   if normalize:  # single split: write the final output
     (o_ref,) = out_refs
-    o_ref[...] = (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+    out = (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+    plgpu.store(o_ref, out, mask=real[:, None])
   else:
     o_ref, m_ref, l_ref = out_refs
-    o_ref[...] = o
-    m_ref[...] = m
-    l_ref[...] = l
+    plgpu.store(o_ref, o, mask=real[:, None])
+    plgpu.store(m_ref, m, mask=real)
+    plgpu.store(l_ref, l, mask=real)
 
 
 def _check(q, k, v, idx, valid):
@@ -135,7 +140,8 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, idx: jax.Array, v
   normalize = ns == 1
   kernel = functools.partial(
       _kernel, block_k=bk, num_blocks=ks // bk, scale=1.0 / math.sqrt(d),
-      qk_precision=dot_precision(cdt), pv_precision=dot_precision(v.dtype), normalize=normalize)
+      qk_precision=dot_precision(cdt), pv_precision=dot_precision(v.dtype), normalize=normalize,
+      group=g)
   kv_spec = pl.BlockSpec((None, None, c, dp), lambda i, h, s: (i, h, 0, 0))
   in_specs = [pl.BlockSpec((None, None, gp, dp), lambda i, h, s: (i, h, 0, 0)), kv_spec, kv_spec,
               pl.BlockSpec((None, None, None, ks), lambda i, h, s: (i, h, s, 0))]
@@ -155,11 +161,12 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, idx: jax.Array, v
       name="rocketkv_sparse_attention",
   )(qg, k, v, enc)
   if normalize:
-    out = outs[0]
-  else:  # merge the split-K partials
-    o, m, l = outs
-    mx = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0))  # [B, Hkv, S, Gp]
+    out = outs[0][:, :, :g, :d]
+  else:  # merge the split-K partials (rows past G were never written: slice them off first)
+    o, m, l = outs[0][:, :, :, :g, :d], outs[1][..., :g], outs[2][..., :g]
+    # Barrier as in jax's decode_attention: keep the max materialised before exp(m - max).
+    mx = lax.optimization_barrier(jnp.max(m, axis=2, keepdims=True))
+    w = jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0))  # [B, Hkv, S, G]
     denom = jnp.maximum(jnp.sum(w * l, axis=2), 1e-30)
     out = (jnp.sum(w[..., None] * o, axis=2) / denom[..., None]).astype(q.dtype)
-  return out[:, :, :g, :d].reshape(b, hq, d)
+  return out.reshape(b, hq, d)
