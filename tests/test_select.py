@@ -35,9 +35,10 @@ def _check_mass(idx, scores, length, top_k):
 
 
 @given(seed=st.integers(0, 10_000), g=st.sampled_from([1, 3, 4]), hkv=st.sampled_from([1, 2]),
-       c=st.integers(8, 120), chunk=st.integers(1, 6), r=st.integers(1, 16),
-       top_k=st.integers(1, 64), short=st.integers(0, 7))
-@settings(max_examples=40, deadline=None)
+       c=st.sampled_from([16, 41, 97]), chunk=st.sampled_from([1, 2, 3, 5]),
+       r=st.sampled_from([1, 4, 11, 16]), top_k=st.sampled_from([1, 7, 32, 64]),
+       short=st.integers(0, 7))
+@settings(max_examples=20, deadline=None)
 def test_rocketkv_select_matches_reference(seed, g, hkv, c, chunk, r, top_k, short):
   d, b = 16, 2
   lengths = [c, max(1, c - short * 7)]
@@ -46,7 +47,6 @@ def test_rocketkv_select_matches_reference(seed, g, hkv, c, chunk, r, top_k, sho
   cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, chunk_size=chunk, r=r,
                               top_k=top_k)
   plan = rocketkv.plan(cfg, c, 0, d)
-  plan = plan.__class__(**{**plan.__dict__, "capacity": c})
   idx = rocketkv.select(jnp.asarray(q), cache, plan)
   assert idx.shape == (b, hkv, min(top_k, c)) and idx.dtype == jnp.int32
   for bi in range(b):
