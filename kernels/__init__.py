@@ -7,6 +7,11 @@ reference path.
 - `approx_chunk_scores`: stage-2 approximate chunk scores (== select.approx_chunk_scores_xla).
 - `sparse_attention`: flash-decoding over gathered slots (== attend.sparse_attention_xla).
 - `window_scores`: stage-1 SnapKV window scores (== evict.window_scores_xla).
+
+Status: checked against the XLA path in interpret mode and lowered for CUDA on a CPU host (the
+Triton IR each call embeds verifies); not yet compiled or timed on a GPU. Block sizes, split
+counts and warps are static keyword arguments with untuned defaults; `benchmarks/kernels.py`
+is the sweep to tune them. fp32 operands use IEEE fp32 dots (never TF32).
 """
 
 from .approx_scores import approx_chunk_scores
