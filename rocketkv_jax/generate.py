@@ -137,7 +137,8 @@ _COMPILED: dict[Any, Any] = {}
 def _compiled(name, fn, static, donate, args):
   """AOT-compiles `fn` once per (static args, argument shapes); returns (executable, seconds)."""
   sig = (name, tuple(sorted(static.items())),
-         tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(args)),
+         tuple((a.shape, str(a.dtype), getattr(a, "sharding", None))
+               for a in jax.tree_util.tree_leaves(args)),
          jax.tree_util.tree_structure(args))
   if sig in _COMPILED:
     return _COMPILED[sig], 0.0

@@ -35,7 +35,12 @@ VARIANTS = {
     "mistral_sw": ("mistral", dict(
         num_key_value_heads=2, sliding_window=12, rope_theta=10000.0,
         tie_word_embeddings=False)),
+    # Tensor-parallel test: 8 query / 4 KV heads so a 4-way "tp" axis splits KV heads.
+    "llama_tp": ("llama", dict(
+        num_attention_heads=8, num_key_value_heads=4, head_dim=8, rope_theta=10000.0,
+        tie_word_embeddings=False)),
 }
+PARITY_VARIANTS = ("llama31", "llama2_linear", "mistral_sw")
 
 _TMP = tempfile.TemporaryDirectory(prefix="rocketkv_models_")
 

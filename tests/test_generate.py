@@ -1,0 +1,141 @@
+"""`rocketkv.generate`: greedy parity with transformers' `generate`, every KV method, sampling,
+EOS, streaming, no recompilation, and the real SmolLM2 end to end."""
+
+import numpy as np
+import pytest
+import torch
+
+import rocketkv_jax as rocketkv
+import rocketkv_jax.models as M
+from model_fixtures import (PARITY_VARIANTS, hf_checkpoint, random_tokens, smollm2_ours,
+                            smollm2_transformers)
+
+
+def _hf_greedy(ref_model, prompt, n):
+  ref_model.generation_config.eos_token_id = None
+  with torch.no_grad():
+    out = ref_model.generate(torch.tensor([prompt], dtype=torch.long), max_new_tokens=n,
+                             do_sample=False, pad_token_id=0, attention_mask=None)
+  return out[0, len(prompt):].tolist()
+
+
+def _prompts():
+  toks = random_tokens(2, 40, seed=5)
+  return [toks[0].tolist(), toks[1, :27].tolist()]  # right padding: 40 and 27 tokens
+
+
+@pytest.mark.parametrize("name", PARITY_VARIANTS)
+def test_greedy_full_kv_matches_transformers_generate(name):
+  path, ref_model = hf_checkpoint(name)
+  model = M.load(path)
+  prompts = _prompts()
+  res = rocketkv.generate(model, prompts, method="full", max_new_tokens=32, eos_token_ids=())
+  for prompt, got in zip(prompts, res.tokens):
+    assert got == _hf_greedy(ref_model, prompt, 32)
+  assert res.stats["new_tokens"] == [32, 32]
+  assert res.stats["kv_tokens_kept"] == 40 and res.stats["compression_ratio"] == 1.0
+
+
+def test_rocketkv_without_compression_matches_transformers_sliding_window():
+  """Mistral v0.1 (window 12) through RocketKV's full pipeline (stage 1 + top-k) with a budget
+  large enough to keep and select everything: exactly transformers' tokens."""
+  path, ref_model = hf_checkpoint("mistral_sw")
+  model = M.load(path)
+  prompts = _prompts()
+  res = rocketkv.generate(model, prompts, method="rocketkv", token_budget=256,
+                          max_new_tokens=16, eos_token_ids=())
+  for prompt, got in zip(prompts, res.tokens):
+    assert got == _hf_greedy(ref_model, prompt, 16)
+
+
+@pytest.mark.parametrize("method", [m for m in rocketkv.METHODS if m != "full"])
+def test_every_method_generates(method):
+  """Every baseline and both RocketKV variants by name ("full" is covered by the parity tests)."""
+  path, _ = hf_checkpoint("llama31")
+  model = M.load(path)
+  prompts = _prompts()
+  res = rocketkv.generate(model, prompts, method=method, token_budget=32, max_new_tokens=6,
+                          eos_token_ids=())
+  assert res.stats["new_tokens"] == [6, 6]
+  assert all(0 <= t < 256 for row in res.tokens for t in row)
+  st = res.stats
+  assert st["method"] == method and st["kv_tokens_kept"] <= st["capacity"]
+  if method in ("snapkv", "rocketkv", "streamingllm"):
+    assert st["kv_tokens_kept"] < 40  # stage 1 evicted prompt tokens
+  if method != "full":
+    assert st["compression_ratio"] > 1.0
+
+
+def test_sampling_is_seeded_and_top_p_limits_to_greedy():
+  path, _ = hf_checkpoint("llama31")
+  model = M.load(path)
+  prompt = _prompts()  # same shapes as the parity test: its compiled programs are reused
+  kw = dict(method="full", max_new_tokens=32, eos_token_ids=())
+  a = rocketkv.generate(model, prompt, temperature=1.0, top_p=0.95, seed=1, **kw).tokens
+  b = rocketkv.generate(model, prompt, temperature=1.0, top_p=0.95, seed=1, **kw).tokens
+  c = rocketkv.generate(model, prompt, temperature=1.0, top_p=0.95, seed=2, **kw).tokens
+  greedy = rocketkv.generate(model, prompt, **kw).tokens
+  nucleus1 = rocketkv.generate(model, prompt, temperature=1.0, top_p=1e-6, seed=3, **kw).tokens
+  assert a == b and a != c
+  assert nucleus1 == greedy
+
+
+def test_eos_stops_early_and_streaming_sees_every_token():
+  path, _ = hf_checkpoint("llama31")
+  model = M.load(path)
+  prompts = _prompts()
+  greedy = rocketkv.generate(model, prompts, method="full", max_new_tokens=32,
+                             eos_token_ids=()).tokens
+  eos = greedy[0][3]
+  seen = []
+  res = rocketkv.generate(model, prompts, method="full", max_new_tokens=32, eos_token_ids=[eos],
+                          stream=lambda step, toks, done: seen.append((step, toks.tolist())))
+  assert res.tokens[0] == greedy[0][:greedy[0].index(eos)]
+  want1 = greedy[1][:greedy[1].index(eos)] if eos in greedy[1] else greedy[1]
+  assert res.tokens[1] == want1
+  steps = [s for s, _ in seen]
+  assert steps == list(range(len(steps)))
+  streamed0 = [t[0] for _, t in seen]
+  assert streamed0[:len(res.tokens[0])] == res.tokens[0]
+
+
+def test_second_call_does_not_recompile():
+  path, _ = hf_checkpoint("llama31")
+  model = M.load(path)
+  prompts = _prompts()  # same call as test_every_method_generates[rocketkv]
+  kw = dict(method="rocketkv", token_budget=32, max_new_tokens=6, eos_token_ids=())
+  first = rocketkv.generate(model, prompts, **kw)
+  again = rocketkv.generate(model, prompts, **kw)
+  assert again.stats["compile_s"] == 0.0 and again.tokens == first.tokens
+
+
+def test_bad_arguments_raise_value_errors():
+  path, _ = hf_checkpoint("llama31")
+  model = M.load(path)
+  with pytest.raises(ValueError, match="method must be one of"):
+    rocketkv.generate(model, [[5, 6]], method="h2o")
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    rocketkv.generate(model, [[5, 6]], max_new_tokens=0)
+  with pytest.raises(ValueError, match="top_p"):
+    rocketkv.generate(model, [[5, 6]], temperature=1.0, top_p=0.0)
+  with pytest.raises(ValueError, match="tokenizer"):
+    rocketkv.generate(model, "text needs a tokenizer")
+
+
+def test_smollm2_string_prompt_full_kv_matches_transformers():
+  """The real model end to end: chat-templated string in, text out, same greedy tokens as
+  transformers' GGUF load."""
+  model = smollm2_ours()
+  tok_ref, ref_model = smollm2_transformers()
+  question = "What is the capital of France? Answer in one word."
+  res = rocketkv.generate(model, question, method="full", max_new_tokens=8, chat=True)
+  text = tok_ref.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                     add_generation_prompt=True)
+  ids = tok_ref(text).input_ids
+  with torch.no_grad():
+    ref = ref_model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+  ref = ref[0, len(ids):].tolist()
+  if 2 in ref:
+    ref = ref[:ref.index(2)]
+  assert res.tokens[0] == ref
+  assert "Paris" in res.text[0]
