@@ -14,7 +14,7 @@ from rocketkv_jax.select import check_query
 def _softmax_combine(qg, k, v, valid):
   """qg [B, Hkv, G, D], k/v [B, Hkv, K, D], valid [B, Hkv, K] -> [B, Hkv, G, D] float32."""
   d = qg.shape[-1]
-  logits = jnp.einsum("bhgd,bhkd->bhgk", qg, k, preferred_element_type=jnp.float32)
+  logits = jnp.einsum("bhkd,bhgd->bhgk", k, qg.astype(k.dtype), preferred_element_type=jnp.float32)
   logits = logits * (1.0 / jnp.sqrt(jnp.float32(d)))
   logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
   mx = jnp.max(logits, axis=-1, keepdims=True)

@@ -8,9 +8,11 @@ same number of valid slots, `length[b]`. Slots `>= length[b]` are padding (zeros
 valid keys of each chunk of `chunk_size` consecutive slots; a chunk without valid slots holds
 zeros (never +-inf, so a product with a zero query stays finite).
 
-Full cache behaviour (documented contract): `append` on a full sequence drops the write (no
-out-of-bounds write ever happens), leaves `length` unchanged and sets `overflow[b]`; read it with
-`cache_overflow`. `generate` turns it into an error on the host.
+Full cache behaviour (documented contract): `append` on a full sequence never writes out of
+bounds: the newest token replaces the one in the last slot (its chunk's min/max stay a valid
+bound), `length` stays at capacity and `overflow[b]` is set; read it with `cache_overflow`.
+`generate` turns it into an error on the host. (Overwriting rather than dropping keeps the write
+a plain in-place dynamic-update-slice, which XLA never turns into a whole-cache copy.)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax import lax
 
 from rocketkv_jax._checks import require, require_rank
 
@@ -94,7 +97,9 @@ def from_kept(k: jax.Array, v: jax.Array, pos: jax.Array, length: jax.Array,
   pos = jnp.where(valid[:, None, :], pos, -1)
   kmin, kmax = chunk_summaries(k, length, chunk_size)
   return KVCache(k=k, v=v, kmin=kmin, kmax=kmax, pos=pos,
-                 length=length.astype(jnp.int32), seen=seen.astype(jnp.int32),
+                 # Distinct buffers, so that a donated cache never donates one buffer twice.
+                 length=jnp.array(length, jnp.int32, copy=True),
+                 seen=jnp.array(seen, jnp.int32, copy=True),
                  overflow=jnp.zeros((b,), bool), chunk_size=chunk_size)
 
 
@@ -124,6 +129,20 @@ def _check_new(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> None:
             f"{name} dtype {x.dtype} must match the cache dtype {cache.k.dtype}")
 
 
+def _write_rows(buf: jax.Array, rows: jax.Array, index: jax.Array) -> jax.Array:
+  """buf [B, H, N, ...], rows [B, H, ...]: buf[b, :, index[b]] = rows[b], index clamped to N-1.
+
+  One dynamic-update-slice per sequence (B is static and small) and no read of `buf`, so XLA
+  updates a donated buffer in place; a scatter, or a read of the old row, makes XLA:CPU copy the
+  whole cache every step.
+  """
+  tail = (0,) * (buf.ndim - 3)
+  for b in range(buf.shape[0]):
+    buf = lax.dynamic_update_slice(buf, rows[b:b + 1, :, None].astype(buf.dtype),
+                                   (b, 0, index[b]) + tail)
+  return buf
+
+
 def append(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
   """Writes one token per sequence at slot `length[b]` and updates that chunk's min / max.
 
@@ -131,28 +150,31 @@ def append(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
     cache: the cache.
     k_new, v_new: [B, Hkv, 1, D] the new token's key (post-RoPE) and value.
   Returns:
-    The new cache. A full sequence drops the write and sets `overflow[b]` (see module doc).
+    The new cache. A full sequence overwrites its last slot and sets `overflow[b]` (see module
+    doc).
   """
   _check_new(cache, k_new, v_new)
   c, nc, cs = cache.capacity, cache.num_chunks, cache.chunk_size
-  bi = jnp.arange(cache.k.shape[0])
-  slot = cache.length
-  ok = slot < c
-  slot_w = jnp.where(ok, slot, c)  # out of range -> dropped by mode="drop"
+  ok = cache.length < c
+  slot = jnp.minimum(cache.length, c - 1)  # full: the newest token takes the last slot
   kn, vn = k_new[:, :, 0], v_new[:, :, 0]  # [B, Hkv, D]
-  k = cache.k.at[bi, :, slot_w].set(kn, mode="drop")
-  v = cache.v.at[bi, :, slot_w].set(vn, mode="drop")
-  pos = cache.pos.at[bi, :, slot_w].set(cache.seen[:, None], mode="drop")
-  ci = jnp.minimum(slot // cs, nc - 1)
-  first = (slot % cs == 0)[:, None, None]
-  old_min = cache.kmin[bi, :, ci]
-  old_max = cache.kmax[bi, :, ci]
-  new_min = jnp.where(first, kn, jnp.minimum(old_min, kn))
-  new_max = jnp.where(first, kn, jnp.maximum(old_max, kn))
-  ci_w = jnp.where(ok, ci, nc)
-  kmin = cache.kmin.at[bi, :, ci_w].set(new_min, mode="drop")
-  kmax = cache.kmax.at[bi, :, ci_w].set(new_max, mode="drop")
-  return cache.replace(k=k, v=v, kmin=kmin, kmax=kmax, pos=pos,
+  ci = slot // cs
+  k = _write_rows(cache.k, kn, slot)
+  # The chunk's min / max recomputed from its (at most chunk_size) rows of the updated keys:
+  # no read of kmin / kmax before their write, so XLA updates them in place too.
+  start = jnp.minimum(ci * cs, c - cs) if c >= cs else jnp.zeros_like(ci)
+  rows = jnp.stack([lax.dynamic_slice_in_dim(k[b], start[b], min(cs, c), axis=1)
+                    for b in range(k.shape[0])])  # [B, Hkv, cs, D]
+  j = start[:, None] + jnp.arange(min(cs, c))
+  in_chunk = ((j >= ci[:, None] * cs) & (j <= slot[:, None]))[:, None, :, None]
+  big = jnp.asarray(jnp.finfo(k.dtype).max, k.dtype)
+  new_min = jnp.min(jnp.where(in_chunk, rows, big), axis=2)
+  new_max = jnp.max(jnp.where(in_chunk, rows, -big), axis=2)
+  seen = jnp.broadcast_to(cache.seen[:, None], cache.pos.shape[:2])
+  return cache.replace(k=k, v=_write_rows(cache.v, vn, slot),
+                       kmin=_write_rows(cache.kmin, new_min, ci),
+                       kmax=_write_rows(cache.kmax, new_max, ci),
+                       pos=_write_rows(cache.pos, seen, slot),
                        length=cache.length + ok.astype(jnp.int32), seen=cache.seen + 1,
                        overflow=cache.overflow | ~ok)
 

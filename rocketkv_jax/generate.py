@@ -258,7 +258,7 @@ def generate(
   first, cache = pre_exe(*pre_args)
   first.block_until_ready()
   prefill_s = time.perf_counter() - t0
-  kept_cache = cache.view if isinstance(cache, rocketkv.MTState) else cache
+  kept_cache = cache[0].view if isinstance(cache[0], rocketkv.MTState) else cache[0]
   kv_kept = int(np.asarray(kept_cache.length)[0].max())
 
   dec_args = (model.params, cache, first, lengths_j, key, temp, tp, eos)

@@ -56,14 +56,17 @@ def approx_chunk_scores_xla(q: jax.Array, kmin: jax.Array, kmax: jax.Array, leng
   qg = q.reshape(b, hkv, g, d).astype(jnp.float32)
   qabs = jnp.abs(qg)
   _, ridx = lax.top_k(jnp.sum(qabs, axis=2), r)  # [B, Hkv, r]
-  sign = jnp.sum(qg, axis=2) > 0  # [B, Hkv, D]
-  s_r = jnp.take_along_axis(sign, ridx, axis=2)[:, :, None, :]  # [B, Hkv, 1, r]
-  kmin_r = jnp.take_along_axis(kmin, ridx[:, :, None, :], axis=3)  # [B, Hkv, NC, r]
-  kmax_r = jnp.take_along_axis(kmax, ridx[:, :, None, :], axis=3)
-  kb = jnp.where(s_r, kmax_r, kmin_r).astype(jnp.float32)
-  q_r = jnp.take_along_axis(qg, ridx[:, :, None, :], axis=3)  # [B, Hkv, G, r]
-  logits = jnp.einsum("bhgr,bhcr->bhgc", q_r, kb)
-  frac = jnp.sum(jnp.abs(q_r), axis=-1) / jnp.maximum(jnp.sum(qabs, axis=-1), 1e-30)
+  keep = jnp.any(ridx[..., None] == jnp.arange(d), axis=-2)[:, :, None, :]  # [B, Hkv, 1, D]
+  pos = (jnp.sum(qg, axis=2) > 0)[:, :, None, :]  # sign of the group-summed q
+  # Dense masked products instead of gathering r dims: on CPU and GPU a [NC, D] matmul beats a
+  # gather of r columns. Dims outside the top r get a zero weight.
+  q_hi = jnp.where(keep & pos, qg, 0.0).astype(kmax.dtype)
+  q_lo = jnp.where(keep & ~pos, qg, 0.0).astype(kmin.dtype)
+  # Summaries as the left operand ([NC, D] x [D, G]): the layout XLA:CPU multiplies fastest.
+  logits = (jnp.einsum("bhcd,bhgd->bhgc", kmax, q_hi, preferred_element_type=jnp.float32)
+            + jnp.einsum("bhcd,bhgd->bhgc", kmin, q_lo, preferred_element_type=jnp.float32))
+  q_r_abs = jnp.sum(jnp.where(keep, qabs, 0.0), axis=-1)
+  frac = q_r_abs / jnp.maximum(jnp.sum(qabs, axis=-1), 1e-30)
   scale = lax.rsqrt(jnp.float32(d) * jnp.where(frac > 0, frac, 1.0))  # [B, Hkv, G]
   logits = logits * scale[..., None]
   return _group_softmax_sum(logits, _chunk_valid(length, nc, chunk_size))

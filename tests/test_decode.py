@@ -178,7 +178,7 @@ def test_decode_compiles_once_over_50_steps():
   assert np.asarray(cache.length).tolist() == [plan.capacity] * 2
 
 
-def test_full_cache_drops_write_and_flags_overflow():
+def test_full_cache_overwrites_last_slot_and_flags_overflow():
   cache = rocketkv.empty_cache(2, 1, 3, 4, jnp.float32, chunk_size=2)
   one = jnp.ones((2, 1, 1, 4))
   for i in range(3):
@@ -186,10 +186,15 @@ def test_full_cache_drops_write_and_flags_overflow():
   assert not bool(rocketkv.cache_overflow(cache).any())
   before = np.asarray(cache.k)
   cache = rocketkv.append(cache, one * 99, one)
-  np.testing.assert_array_equal(np.asarray(cache.k), before)
+  after = np.asarray(cache.k)
+  assert after.shape == before.shape  # never out of bounds
+  np.testing.assert_array_equal(after[:, :, :2], before[:, :, :2])
+  np.testing.assert_array_equal(after[:, :, 2], np.full((2, 1, 4), 99.0))
   assert np.asarray(cache.length).tolist() == [3, 3]
+  assert np.asarray(cache.pos[:, 0, 2]).tolist() == [3, 3]
   assert np.asarray(rocketkv.cache_overflow(cache)).tolist() == [True, True]
-  np.testing.assert_array_equal(np.asarray(cache.kmax[0, 0]), [[2] * 4, [3] * 4])
+  np.testing.assert_array_equal(np.asarray(cache.kmax[0, 0]), [[2] * 4, [99] * 4])
+  np.testing.assert_array_equal(np.asarray(cache.kmin[0, 0]), [[1] * 4, [99] * 4])
 
 
 def test_multi_turn_reevicts_from_full_cache():

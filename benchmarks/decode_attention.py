@@ -1,0 +1,155 @@
+"""One decode step of one attention layer: full attention vs `rocketkv.decode_step`.
+
+Llama-3.1-8B attention shapes (Hq 32, Hkv 8, D 128), batch 1. For each (dtype, context,
+budget): the median per-step time of the dense full-attention step and of RocketKV's
+`decode_step`, measured side by side in one run, their ratio, the bytes each reads per step, and
+each one's bandwidth floor: the time of a measured read-only pass (a jitted sum) over the same
+number of bytes.
+
+Both steps append the new token to a donated cache and attend. The dense step is the fastest dense
+decode we found in XLA on this CPU (GQA without repeating K/V, fp32 accumulation, attention
+read-only on the cache and the write in its own donated jit; see `dense_step`).
+
+    python benchmarks/decode_attention.py                      # the README table
+    python benchmarks/decode_attention.py --contexts 32768 --budgets 256 --dtypes bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rocketkv_jax as rocketkv
+
+HQ, HKV, D = 32, 8, 128
+
+
+def _median_time(fn, args, repeats, donate_idx=None):
+  """Median wall time of fn(*args) over `repeats` calls (after one warm-up)."""
+  out = fn(*args)
+  jax.block_until_ready(out)
+  times = []
+  for _ in range(repeats):
+    if donate_idx is not None:
+      args = list(args)
+      args[donate_idx] = out[1]
+    t0 = time.perf_counter()
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def dense_attend(q, k_new, v_new, k, v, length):
+  """Full attention of the new token over cache slots [0, length) plus itself. Read-only on the
+  cache: on XLA:CPU any read of a donated buffer in the jit that updates it in place makes XLA
+  copy the whole buffer first (seen in the compiled HLO), so the write is a second jit."""
+  b, hq, d = q.shape
+  hkv = k.shape[1]
+  qg = q.reshape(b, hkv, hq // hkv, d)
+  scale = 1.0 / jnp.sqrt(jnp.float32(d))
+  s_old = jnp.einsum("bhgd,bhkd->bhgk", qg, k, preferred_element_type=jnp.float32) * scale
+  s_old = jnp.where(jnp.arange(k.shape[2]) < length, s_old, -jnp.inf)
+  s_new = jnp.einsum("bhgd,bhkd->bhgk", qg, k_new, preferred_element_type=jnp.float32) * scale
+  m = jnp.maximum(jnp.max(s_old, -1, keepdims=True), s_new)
+  p_old, p_new = jnp.exp(s_old - m), jnp.exp(s_new - m)
+  num = (jnp.einsum("bhgk,bhkd->bhgd", p_old.astype(v.dtype), v,
+                    preferred_element_type=jnp.float32)
+         + jnp.einsum("bhgk,bhkd->bhgd", p_new, v_new.astype(jnp.float32)))
+  out = num / (jnp.sum(p_old, -1, keepdims=True) + p_new)
+  return out.reshape(b, hq, d).astype(q.dtype)
+
+
+def dense_write(k, v, k_new, v_new, length):
+  """Write-only append (in place on the donated cache)."""
+  return (jax.lax.dynamic_update_slice(k, k_new, (0, 0, length, 0)),
+          jax.lax.dynamic_update_slice(v, v_new, (0, 0, length, 0)))
+
+
+_DENSE_ATTEND = jax.jit(dense_attend)
+_DENSE_WRITE = jax.jit(dense_write, donate_argnums=(0, 1))
+
+
+def dense_step(q, k_new, v_new, kv, length):
+  """The dense full-attention decode step: attend (read-only), then write the token."""
+  out = _DENSE_ATTEND(q, k_new, v_new, kv[0], kv[1], length)
+  return out, _DENSE_WRITE(kv[0], kv[1], k_new, v_new, length)
+
+
+def _read_pass_time(nbytes, dtype, repeats):
+  """Time of a jitted read-only pass (sum) over `nbytes` of `dtype`."""
+  n = max(int(nbytes // jnp.dtype(dtype).itemsize), 1)
+  x = jnp.ones((n,), dtype)
+  f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+  return _median_time(f, (x,), repeats)
+
+
+def bench(context, budget, dtype, repeats, seed=0):
+  key = jax.random.PRNGKey(seed)
+  k1, k2, k3 = jax.random.split(key, 3)
+  new = 1
+  prompt = context - new
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=budget), prompt, 100, D)
+  item = jnp.dtype(dtype).itemsize
+  q = jax.random.normal(k1, (1, HQ, D), dtype)
+  kn = jax.random.normal(k2, (1, HKV, 1, D), dtype)
+  vn = jax.random.normal(k3, (1, HKV, 1, D), dtype)
+
+  # Dense: a cache of `context` slots holding `prompt` tokens.
+  kf = jax.random.normal(k1, (1, HKV, context, D), dtype)
+  vf = jax.random.normal(k2, (1, HKV, context, D), dtype)
+  t_full = _median_time(dense_step, (q, kn, vn, (kf, vf), jnp.int32(prompt)), repeats, donate_idx=3)
+  del kf, vf
+
+  # RocketKV: the stage-1 cache (capacity slots, prompt_budget of them full).
+  kc = jax.random.normal(k1, (1, HKV, plan.prompt_budget, D), dtype)
+  vc = jax.random.normal(k2, (1, HKV, plan.prompt_budget, D), dtype)
+  cache = rocketkv.full_cache(kc, vc, plan.capacity, plan.chunk_size)
+  step = jax.jit(lambda q, kn, vn, c: rocketkv.decode_step(q, kn, vn, c, plan),
+                 donate_argnums=3)
+  # Keep the cache from filling up during the repeats: reset length each call is not
+  # possible with donation, so size the plan with 100 free slots (repeats < 100).
+  t_rkv = _median_time(step, (q, kn, vn, cache), min(repeats, 90), donate_idx=3)
+
+  bytes_full = 2 * HKV * context * D * item
+  nc = -(-plan.prompt_budget // plan.chunk_size)
+  bytes_rkv = (2 * HKV * nc * plan.r + 2 * HKV * plan.top_k * D) * item
+  floor_full = _read_pass_time(bytes_full, dtype, repeats)
+  floor_rkv = _read_pass_time(bytes_rkv, dtype, repeats)
+  return dict(dtype=jnp.dtype(dtype).name, context=context, budget=budget,
+              full_ms=t_full * 1e3, rkv_ms=t_rkv * 1e3, speedup=t_full / t_rkv,
+              full_mb=bytes_full / 2**20, rkv_mb=bytes_rkv / 2**20,
+              full_floor_ms=floor_full * 1e3, rkv_floor_ms=floor_rkv * 1e3,
+              rkv_vs_floor=t_rkv / floor_rkv, capacity=plan.capacity, chunk=plan.chunk_size,
+              r=plan.r, top_k=plan.top_k)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
+  ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
+  ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+  ap.add_argument("--repeats", type=int, default=15)
+  args = ap.parse_args()
+  print(f"backend={jax.default_backend()} devices={jax.devices()}")
+  print("| dtype | context | budget | C / chunk / r / top_k | full ms | rocketkv ms | speedup "
+        "| full MiB | rkv MiB | full floor ms | rkv floor ms | rkv / floor |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  for dt in args.dtypes:
+    for ctx in args.contexts:
+      for b in args.budgets:
+        r = bench(ctx, b, jnp.dtype(dt), args.repeats)
+        print(f"| {r['dtype']} | {ctx // 1024}K | {b} | {r['capacity']} / {r['chunk']} / "
+              f"{r['r']} / {r['top_k']} | {r['full_ms']:.2f} | {r['rkv_ms']:.3f} | "
+              f"{r['speedup']:.1f}x | {r['full_mb']:.0f} | {r['rkv_mb']:.2f} | "
+              f"{r['full_floor_ms']:.2f} | {r['rkv_floor_ms']:.3f} | {r['rkv_vs_floor']:.1f}x |",
+              flush=True)
+
+
+if __name__ == "__main__":
+  main()
