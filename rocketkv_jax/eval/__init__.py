@@ -1,0 +1,1 @@
+"""Long-context evaluation harness (NIAH, RULER-style tasks, LongBench-format data)."""
