@@ -156,15 +156,16 @@ def load_gguf_params(reader, config: ModelConfig, dtype=jnp.float32, shardings=N
       "embed": place(get("token_embd.weight", shapes["embed"], False), sh.get("embed")),
       "final_norm": place(get("output_norm.weight", shapes["final_norm"], False),
                           sh.get("final_norm")),
-      "layers": {},
   }
   if "lm_head" in shapes:
     params["lm_head"] = place(get("output.weight", shapes["lm_head"], True), sh.get("lm_head"))
-  for key, gname in _LAYER_MAP.items():
-    heads = {"wq": config.num_heads, "wk": config.num_kv_heads}.get(key)
-    transpose = key not in ("attn_norm", "mlp_norm")
-    want = shapes["layers"][key][1:]
-    stacked = np.stack([get(f"blk.{i}.{gname}.weight", want, transpose, heads)
-                        for i in range(config.num_layers)])
-    params["layers"][key] = place(stacked, sh.get("layers", {}).get(key))
+  params["layers"] = []
+  for i in range(config.num_layers):
+    layer = {}
+    for key, gname in _LAYER_MAP.items():
+      heads = {"wq": config.num_heads, "wk": config.num_kv_heads}.get(key)
+      transpose = key not in ("attn_norm", "mlp_norm")
+      w = get(f"blk.{i}.{gname}.weight", shapes["layers"][i][key], transpose, heads)
+      layer[key] = place(w, sh["layers"][i][key] if sh else None)
+    params["layers"].append(layer)
   return params

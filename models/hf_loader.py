@@ -128,7 +128,7 @@ def load_hf_params(path: str, config: ModelConfig, dtype=jnp.float32,
     return jax.make_array_from_callback(
         shape, sharding, lambda idx: fetch(_norm(idx, shape)).astype(np.dtype(dtype)))
 
-  params: dict[str, Any] = {"layers": {}}
+  params: dict[str, Any] = {}
   for key in ("embed", "final_norm", "lm_head"):
     if key not in shapes:
       continue
@@ -137,17 +137,16 @@ def load_hf_params(path: str, config: ModelConfig, dtype=jnp.float32,
     sh = None if shardings is None else shardings[key]
     params[key] = build(shapes[key], sh, lambda idx, n=name, t=tr: reader.read(n, t, idx))
 
-  for key, (tmpl, tr) in _LAYER_MAP.items():
-    shape = shapes["layers"][key]
-    for i in range(config.num_layers):
-      check(tmpl.format(i=i), tr, shape[1:])
-
-    def fetch(idx, tmpl=tmpl, tr=tr):
-      layers = range(*idx[0].indices(shape[0]))
-      return np.stack([reader.read(tmpl.format(i=i), tr, idx[1:]) for i in layers])
-
-    sh = None if shardings is None else shardings["layers"][key]
-    params["layers"][key] = build(shape, sh, fetch)
+  params["layers"] = []
+  for i in range(config.num_layers):
+    layer = {}
+    for key, (tmpl, tr) in _LAYER_MAP.items():
+      name = tmpl.format(i=i)
+      shape = shapes["layers"][i][key]
+      check(name, tr, shape)
+      sh = None if shardings is None else shardings["layers"][i][key]
+      layer[key] = build(shape, sh, lambda idx, n=name, t=tr: reader.read(n, t, idx))
+    params["layers"].append(layer)
   return params
 
 

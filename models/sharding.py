@@ -33,16 +33,13 @@ def param_shardings(config: ModelConfig, mesh: Mesh):
     raise ValueError(
         f"num_kv_heads ({config.num_kv_heads}) must be divisible by the tp mesh size ({tp})")
   ns = lambda *spec: NamedSharding(mesh, P(*spec))
-  out = {
-      "embed": ns(), "final_norm": ns(),
-      "layers": {
-          "attn_norm": ns(), "mlp_norm": ns(),
-          "wq": ns(None, None, "tp"), "wk": ns(None, None, "tp"), "wv": ns(None, None, "tp"),
-          "wo": ns(None, "tp", None),
-          "w_gate": ns(None, None, "tp"), "w_up": ns(None, None, "tp"),
-          "w_down": ns(None, "tp", None),
-      },
+  layer = {
+      "attn_norm": ns(), "mlp_norm": ns(),
+      "wq": ns(None, "tp"), "wk": ns(None, "tp"), "wv": ns(None, "tp"), "wo": ns("tp", None),
+      "w_gate": ns(None, "tp"), "w_up": ns(None, "tp"), "w_down": ns("tp", None),
   }
+  out = {"embed": ns(), "final_norm": ns(),
+         "layers": [dict(layer) for _ in range(config.num_layers)]}
   if not config.tie_word_embeddings:
     out["lm_head"] = ns()
   return out

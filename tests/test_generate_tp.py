@@ -27,9 +27,9 @@ _SCRIPT = textwrap.dedent("""
     single = M.load(path)
     mesh = sharding.make_mesh(4)
     tp = M.load(path, mesh=mesh)
-    wk = tp.params["layers"]["wk"]
+    wk = tp.params["layers"][1]["wk"]
     assert len(wk.sharding.device_set) == 4
-    assert wk.addressable_shards[0].data.shape == (2, 64, 8)  # one KV head of 4 per device
+    assert wk.addressable_shards[0].data.shape == (64, 8)  # one KV head (of 4) per device
     prompts = [random_tokens(1, 48, seed=9)[0].tolist(), random_tokens(1, 33, seed=10)[0].tolist()]
     for method in ("rocketkv",):
       a = rocketkv.generate(single, prompts, method=method, token_budget=32, max_new_tokens=12,

@@ -97,7 +97,7 @@ def test_orbax_round_trip(tmp_path):
   checkpoint.save(model, str(tmp_path / "ckpt"))
   back = checkpoint.restore(str(tmp_path / "ckpt"))
   assert back.config == model.config
-  assert back.params["layers"]["wq"].dtype == jnp.bfloat16
+  assert back.params["layers"][1]["wq"].dtype == jnp.bfloat16
   for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(model.params)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   tokens = random_tokens(1, 8)

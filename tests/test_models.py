@@ -50,7 +50,7 @@ def test_mistral_window_is_honoured():
 def test_bf16_logits_close_to_fp32():
   path, ref_model = hf_checkpoint("llama31")
   model = M.load(path, dtype=jnp.bfloat16)
-  assert model.params["layers"]["wq"].dtype == jnp.bfloat16
+  assert model.params["layers"][0]["wq"].dtype == jnp.bfloat16
   tokens = random_tokens(1, 32, seed=3)
   ours = np.asarray(model.logits(tokens))
   ref = _torch_logits(ref_model, tokens)
