@@ -36,7 +36,7 @@ class KVCache:
     length: [B] int32 valid slots per sequence.
     seen: [B] int32 tokens seen so far (= absolute position of the next token).
     overflow: [B] bool, True once an append found the sequence full.
-    chunk_size: static, slots per summary chunk.
+    chunk_size: static, slots per summary chunk (0: no summaries are kept).
   """
 
   k: jax.Array
@@ -67,8 +67,12 @@ def chunk_summaries(k: jax.Array, length: jax.Array, chunk_size: int):
     chunk_size: slots per chunk.
   Returns:
     (kmin, kmax), each [B, H, ceil(C / chunk_size), D], zeros for chunks with no valid slot.
+    chunk_size 0 means "no summaries" (methods that never read them): [B, H, 0, D].
   """
   b, h, c, d = k.shape
+  if chunk_size == 0:
+    empty = jnp.zeros((b, h, 0, d), k.dtype)
+    return empty, empty
   nc = -(-c // chunk_size)
   pad = nc * chunk_size - c
   kp = jnp.pad(k, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(b, h, nc, chunk_size, d)
@@ -134,8 +138,11 @@ def _write_rows(buf: jax.Array, rows: jax.Array, index: jax.Array) -> jax.Array:
 
   One dynamic-update-slice per sequence (B is static and small) and no read of `buf`, so XLA
   updates a donated buffer in place; a scatter, or a read of the old row, makes XLA:CPU copy the
-  whole cache every step.
+  whole cache every step. Batches above 16 sequences use one scatter instead (compile size).
   """
+  if buf.shape[0] > 16:
+    bi = jnp.arange(buf.shape[0])
+    return buf.at[bi, :, jnp.clip(index, 0, buf.shape[2] - 1)].set(rows.astype(buf.dtype))
   tail = (0,) * (buf.ndim - 3)
   for b in range(buf.shape[0]):
     buf = lax.dynamic_update_slice(buf, rows[b:b + 1, :, None].astype(buf.dtype),
@@ -154,26 +161,27 @@ def append(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
     doc).
   """
   _check_new(cache, k_new, v_new)
-  c, nc, cs = cache.capacity, cache.num_chunks, cache.chunk_size
+  c, cs = cache.capacity, cache.chunk_size
   ok = cache.length < c
   slot = jnp.minimum(cache.length, c - 1)  # full: the newest token takes the last slot
   kn, vn = k_new[:, :, 0], v_new[:, :, 0]  # [B, Hkv, D]
-  ci = slot // cs
   k = _write_rows(cache.k, kn, slot)
-  # The chunk's min / max recomputed from its (at most chunk_size) rows of the updated keys:
-  # no read of kmin / kmax before their write, so XLA updates them in place too.
-  start = jnp.minimum(ci * cs, c - cs) if c >= cs else jnp.zeros_like(ci)
-  rows = jnp.stack([lax.dynamic_slice_in_dim(k[b], start[b], min(cs, c), axis=1)
-                    for b in range(k.shape[0])])  # [B, Hkv, cs, D]
-  j = start[:, None] + jnp.arange(min(cs, c))
-  in_chunk = ((j >= ci[:, None] * cs) & (j <= slot[:, None]))[:, None, :, None]
-  big = jnp.asarray(jnp.finfo(k.dtype).max, k.dtype)
-  new_min = jnp.min(jnp.where(in_chunk, rows, big), axis=2)
-  new_max = jnp.max(jnp.where(in_chunk, rows, -big), axis=2)
+  kmin, kmax = cache.kmin, cache.kmax
+  if cs > 0:
+    # The chunk's min / max recomputed from its (at most chunk_size) rows of the updated keys:
+    # no read of kmin / kmax before their write, so XLA updates them in place too.
+    ci = slot // cs
+    width = min(cs, c)
+    start = jnp.minimum(ci * cs, c - width)
+    rows = jnp.stack([lax.dynamic_slice_in_dim(k[b], start[b], width, axis=1)
+                      for b in range(k.shape[0])])  # [B, Hkv, width, D]
+    j = start[:, None] + jnp.arange(width)
+    in_chunk = ((j >= ci[:, None] * cs) & (j <= slot[:, None]))[:, None, :, None]
+    big = jnp.asarray(jnp.finfo(k.dtype).max, k.dtype)
+    kmin = _write_rows(kmin, jnp.min(jnp.where(in_chunk, rows, big), axis=2), ci)
+    kmax = _write_rows(kmax, jnp.max(jnp.where(in_chunk, rows, -big), axis=2), ci)
   seen = jnp.broadcast_to(cache.seen[:, None], cache.pos.shape[:2])
-  return cache.replace(k=k, v=_write_rows(cache.v, vn, slot),
-                       kmin=_write_rows(cache.kmin, new_min, ci),
-                       kmax=_write_rows(cache.kmax, new_max, ci),
+  return cache.replace(k=k, v=_write_rows(cache.v, vn, slot), kmin=kmin, kmax=kmax,
                        pos=_write_rows(cache.pos, seen, slot),
                        length=cache.length + ok.astype(jnp.int32), seen=cache.seen + 1,
                        overflow=cache.overflow | ~ok)
@@ -213,7 +221,7 @@ def grow(cache: KVCache, capacity: int, chunk_size: int | None = None) -> KVCach
   """The same cache with `capacity` slots (>= its current capacity)."""
   require(capacity >= cache.capacity,
           f"capacity must be >= the current capacity {cache.capacity}, got {capacity}")
-  chunk_size = chunk_size or cache.chunk_size
+  chunk_size = cache.chunk_size if chunk_size is None else chunk_size
   out = from_kept(cache.k, cache.v, cache.pos, cache.length, cache.seen, capacity, chunk_size)
   return out.replace(overflow=cache.overflow)
 

@@ -111,7 +111,8 @@ class Plan:
     capacity: cache slots C (kept prompt tokens + room for every new token).
     prompt_budget: prompt tokens kept by stage 1 (== prompt_len: nothing evicted).
     top_k: slots attended per decode step (0: dense attention over every valid slot).
-    chunk_size: consecutive slots summarised by one min/max pair (pages for Quest).
+    chunk_size: consecutive slots summarised by one min/max pair (pages for Quest); 0 for
+      methods that read no summaries.
     r: head dims used by the approximate score.
     full_capacity: slots of the uncompressed cache kept by `rocketkv_mt` (0 otherwise).
   """
@@ -133,7 +134,7 @@ class Plan:
 
   @property
   def num_chunks(self) -> int:
-    return -(-self.capacity // self.chunk_size)
+    return -(-self.capacity // self.chunk_size) if self.chunk_size else 0
 
 
 def _rocket_split(config: RocketConfig, prompt_len: int, max_new: int, head_dim: int):
@@ -176,7 +177,8 @@ def plan(config: RocketConfig, prompt_len: int, max_new_tokens: int, head_dim: i
   require(config.r is None or config.r <= head_dim,
           f"r must be in [1, head_dim={head_dim}], got {config.r}")
   m, b, t = config.method, config.token_budget, prompt_len + max_new_tokens
-  full = dict(capacity=t, prompt_budget=prompt_len, top_k=0, chunk_size=t, r=head_dim)
+  # chunk_size 0: the method never reads chunk summaries, so the cache keeps none.
+  full = dict(capacity=t, prompt_budget=prompt_len, top_k=0, chunk_size=0, r=head_dim)
   if m == "full":
     split = full
   elif m == "exact_topk":
@@ -192,7 +194,7 @@ def plan(config: RocketConfig, prompt_len: int, max_new_tokens: int, head_dim: i
     pb = min(max(pb, floor), prompt_len)
     top_k = 0 if m == "snapkv" else (config.top_k or b)
     split = dict(capacity=pb + max_new_tokens, prompt_budget=pb, top_k=top_k,
-                 chunk_size=pb + max_new_tokens, r=head_dim)
+                 chunk_size=0, r=head_dim)
   else:  # rocketkv, rocketkv_mt
     capacity, pb, top_k, chunk, r = _rocket_split(config, prompt_len, max_new_tokens, head_dim)
     split = dict(capacity=capacity, prompt_budget=pb, top_k=top_k, chunk_size=chunk, r=r)

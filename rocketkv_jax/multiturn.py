@@ -31,7 +31,7 @@ def mt_prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
   """First turn: `full` keeps every prompt token (capacity `plan.full_capacity`), `view` is
   stage 1 of it."""
   require(plan.full_capacity > 0, "plan must come from a 'rocketkv_mt' config")
-  full = full_cache(k, v, max(plan.full_capacity, k.shape[2]), plan.full_capacity, lengths)
+  full = full_cache(k, v, max(plan.full_capacity, k.shape[2]), 0, lengths)  # no summaries
   view = evict(k, v, q_window, plan, lengths=lengths, impl=impl)
   return MTState(full=full, view=view)
 
@@ -55,7 +55,7 @@ def begin_turn(state: MTState, k_turn: jax.Array, v_turn: jax.Array, q_window: j
   require(isinstance(state, MTState), f"state must be an MTState, got {type(state)}")
   full = state.full
   need = full.capacity + k_turn.shape[2] + plan.max_new_tokens
-  full = grow(full, max(need, full.capacity), chunk_size=max(need, full.capacity))
+  full = grow(full, max(need, full.capacity))
   full = extend(full, k_turn, v_turn, turn_lengths)
   view = evict(full.k, full.v, q_window, plan, lengths=full.length, impl=impl)
   # evict() numbers slots by their index in `full`, which is the absolute position there.

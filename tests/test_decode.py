@@ -234,3 +234,22 @@ def test_valid_slots_respects_length_and_window():
     cache = rocketkv.append(cache, jnp.ones((1, 1, 1, 2)), jnp.ones((1, 1, 1, 2)))
   assert np.asarray(valid_slots(cache))[0, 0].tolist() == [1, 1, 1, 1, 1, 0]
   assert np.asarray(valid_slots(cache, 2))[0, 0].tolist() == [0, 0, 0, 1, 1, 0]
+
+
+@pytest.mark.parametrize("batch", [3, 17])  # per-sequence in-place writes / one scatter
+def test_append_writes_each_sequence_at_its_length(batch):
+  rng = np.random.default_rng(batch)
+  lengths = rng.integers(0, 6, batch).astype(np.int32)
+  k0 = rng.standard_normal((batch, 2, 6, 4)).astype(np.float32)
+  cache = rocketkv.full_cache(jnp.asarray(k0), jnp.asarray(k0), 7, 2, jnp.asarray(lengths))
+  kn = rng.standard_normal((batch, 2, 1, 4)).astype(np.float32)
+  new = rocketkv.append(cache, jnp.asarray(kn), jnp.asarray(kn))
+  for b in range(batch):
+    n = lengths[b]
+    want = np.concatenate([k0[b, :, :n], kn[b]], axis=1)
+    np.testing.assert_array_equal(np.asarray(new.k[b, :, :n + 1]), want)
+    assert np.all(np.asarray(new.k[b, :, n + 1:]) == 0)
+    kmin, kmax = ref.chunk_bounds(np.asarray(new.k[b]), n + 1, 2)
+    np.testing.assert_array_equal(np.asarray(new.kmin[b]), kmin)
+    np.testing.assert_array_equal(np.asarray(new.kmax[b]), kmax)
+  assert np.asarray(new.length).tolist() == (lengths + 1).tolist()
