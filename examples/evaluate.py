@@ -1,0 +1,79 @@
+"""Long-context accuracy vs token budget for every KV method (NIAH, RULER-style, LongBench).
+
+    python examples/evaluate.py --tasks passkey niah_single --lengths 2048 4096 \
+        --methods full rocketkv snapkv quest streamingllm --budgets 128 256 512 \
+        --samples 5 --out results/
+
+    # LongBench-format jsonl files (<dataset>.jsonl with input / context / answers):
+    python examples/evaluate.py --data-dir /path/to/longbench --tasks --lengths 4096 ...
+
+    # multi-turn: rocketkv vs rocketkv_mt vs full, scored per turn
+    python examples/evaluate.py --tasks multiturn --lengths 2048 --budgets 256
+
+Writes <out>/<name>.json (config + per-sample records), <name>.md (tables),
+<name>_accuracy.png and <name>_niah_heatmap.png. One prompt pass per prompt batch is shared by
+every (method, budget); the same seed gives identical records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import rocketkv_jax.models as M  # noqa: E402
+from rocketkv_jax.eval import harness, report, tasks as tasks_lib  # noqa: E402
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M)")
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  p.add_argument("--tasks", nargs="*", default=["passkey", "niah_single"],
+                 help=f"any of {tasks_lib.TASKS + (tasks_lib.MULTITURN_TASK,)}")
+  p.add_argument("--lengths", nargs="+", type=int, default=[2048])
+  p.add_argument("--methods", nargs="+", default=list(harness.DEFAULT_METHODS))
+  p.add_argument("--mt-methods", nargs="+", default=list(harness.MT_METHODS))
+  p.add_argument("--budgets", nargs="+", type=int, default=[64, 128, 256, 512, 1024])
+  p.add_argument("--samples", type=int, default=20, help="per (task, length)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--batch-size", type=int, default=1)
+  p.add_argument("--max-new-tokens", type=int, default=None, help="default: per task")
+  p.add_argument("--data-dir", default=None, help="LongBench-format *.jsonl directory")
+  p.add_argument("--datasets", nargs="*", default=None, help="subset of --data-dir files")
+  p.add_argument("--out", default="results")
+  p.add_argument("--name", default="results")
+  p.add_argument("--cache-dir", default=None, help="persistent XLA compilation cache")
+  p.add_argument("--no-progress", action="store_true")
+  a = p.parse_args(argv)
+  if a.cache_dir:
+    jax.config.update("jax_compilation_cache_dir", a.cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+  t0 = time.perf_counter()
+  model = M.load(a.model or M.smollm2_path(), dtype=jnp.dtype(a.dtype))
+  cfg = harness.SweepConfig(
+      tasks=tuple(a.tasks), context_lengths=tuple(a.lengths), methods=tuple(a.methods),
+      budgets=tuple(a.budgets), samples=a.samples, seed=a.seed, batch_size=a.batch_size,
+      max_new_tokens=a.max_new_tokens, data_dir=a.data_dir,
+      datasets=tuple(a.datasets) if a.datasets else None, multiturn_methods=tuple(a.mt_methods))
+  results = harness.run_sweep(model, cfg, progress=not a.no_progress)
+  results["timing"]["wall_s_including_load"] = time.perf_counter() - t0
+  results["command"] = "python examples/evaluate.py " + " ".join(
+      sys.argv[1:] if argv is None else argv)
+  paths = report.write_all(results, a.out, a.name)
+  print(report.markdown(results))
+  for k, v in paths.items():
+    print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+  main()

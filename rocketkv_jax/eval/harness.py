@@ -1,0 +1,307 @@
+"""The sweep: tasks x context lengths x methods x budgets, one prefill per prompt batch.
+
+    cfg = SweepConfig(tasks=("passkey",), context_lengths=(2048,), methods=("full", "rocketkv"),
+                      budgets=(256,), samples=5)
+    results = run_sweep(model, cfg)          # {"config", "plans", "records", "timing"}
+    report.write_all(results, "results/")     # JSON + Markdown + plots
+
+Per (task, length): the samples are generated (seeded), chat-templated, right-padded to one
+static length P = min(length, context - max_new_tokens) and cut into batches of `batch_size`
+(the last batch is filled with copies of its last prompt, whose outputs are dropped), so every
+batch of a (task, length) has the same shape and each (method, budget) compiles once per
+(task, length). Each batch gets one prompt pass; every (method, budget) then decodes from it.
+"full" ignores the budget and is decoded once per batch (its record has budget None).
+
+Multi-turn ("multiturn" in tasks): batch 1, three questions on one context, for the methods of
+`multiturn_methods` among full / rocketkv / rocketkv_mt:
+  * full: the whole conversation is kept (plan sized for every turn).
+  * rocketkv: stage 1 ran once, with the first question's window; later turn prompts are run
+    densely over the compressed cache and appended (`rocketkv.extend`), no re-prefill.
+  * rocketkv_mt: the full cache is kept; later turn prompts are run densely over it and
+    `rocketkv.begin_turn` re-runs stage 1 with that turn's window queries.
+Each turn's answer is scored on its own (task names multiturn_t1, multiturn_t2, ...).
+
+Records hold no timings, so the same seed and configuration give identical records; timings
+go to the separate "timing" section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+import rocketkv_jax as rocketkv
+from rocketkv_jax.eval import longbench, tasks as tasks_lib
+from rocketkv_jax.eval.runner import Runner, as_cache, layer_states
+
+DEFAULT_METHODS = ("full", "exact_topk", "rocketkv", "snapkv", "quest", "sparq", "streamingllm")
+MT_METHODS = ("full", "rocketkv", "rocketkv_mt")
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+  tasks: tuple = ("passkey", "niah_single")
+  context_lengths: tuple = (2048,)
+  methods: tuple = DEFAULT_METHODS
+  budgets: tuple = (64, 128, 256, 512, 1024)
+  samples: int = 20
+  seed: int = 0
+  batch_size: int = 1
+  max_new_tokens: int | None = None  # None: per task (tasks.MAX_NEW_TOKENS)
+  window_size: int = 32
+  data_dir: str | None = None
+  datasets: tuple | None = None
+  multiturn_methods: tuple = MT_METHODS
+  turn_pad: int = 64
+
+  def __post_init__(self):
+    for m in self.methods + self.multiturn_methods:
+      if m not in rocketkv.METHODS:
+        raise ValueError(f"unknown method {m!r}; allowed: {sorted(rocketkv.METHODS)}")
+    for t in self.tasks:
+      if t not in tasks_lib.TASKS + (tasks_lib.MULTITURN_TASK,):
+        raise ValueError(f"unknown task {t!r}; allowed: "
+                         f"{tasks_lib.TASKS + (tasks_lib.MULTITURN_TASK,)}")
+    if self.samples < 1 or self.batch_size < 1:
+      raise ValueError("samples and batch_size must be >= 1")
+
+
+def _max_new(cfg: SweepConfig, task: str, metric: str | None = None) -> int:
+  if cfg.max_new_tokens is not None:
+    return cfg.max_new_tokens
+  if task.startswith("lb_"):
+    return longbench.MAX_NEW_TOKENS.get(metric, 32)
+  return tasks_lib.MAX_NEW_TOKENS[task]
+
+
+def _padded_len(model, length: int, max_new: int) -> int:
+  return min(int(length), model.config.max_position_embeddings - max_new)
+
+
+def _configs(cfg: SweepConfig, methods=None):
+  out = []
+  for m in methods or cfg.methods:
+    if m == "full":
+      out.append((m, None))
+    else:
+      out.extend((m, int(b)) for b in cfg.budgets)
+  return out
+
+
+def _record(sample, method, budget, prediction, score, turn=None, task=None):
+  r = dict(task=task or sample.task, context_len=sample.context_len, index=sample.index,
+           method=method, budget=budget, prediction=prediction, answers=list(sample.answers),
+           score=float(score), prompt_tokens=int(sample.meta.get("prompt_tokens", 0)))
+  if "depth" in sample.meta:
+    r["depth"] = float(sample.meta["depth"])
+  if turn is not None:
+    r["turn"] = turn
+  return r
+
+
+def _plan_dict(plan) -> dict:
+  return dataclasses.asdict(plan)
+
+
+# --------------------------------------------------------------------------- multi-turn helpers
+@jax.jit
+def _extend_all(states, kt, vt, tl):
+  return [rocketkv.extend(s, kt[i], vt[i], tl) for i, s in enumerate(states)]
+
+
+@functools.partial(jax.jit, static_argnames=("plan",))
+def _begin_all(states, kt, vt, qw, tl, *, plan):
+  return [rocketkv.begin_turn(s, kt[i], vt[i], qw[i], plan, turn_lengths=tl)
+          for i, s in enumerate(states)]
+
+
+def _turn_text(tokenizer, question: str) -> str:
+  """Text between the end of an assistant answer and the next answer (template-derived)."""
+  mark = "ZQZQANSWERZQZQ"
+  user = {"role": "user", "content": "U"}
+  prev = tokenizer.apply_chat_template([user, {"role": "assistant", "content": mark}],
+                                       add_generation_prompt=False)
+  full = tokenizer.apply_chat_template(
+      [user, {"role": "assistant", "content": mark}, {"role": "user", "content": question}],
+      add_generation_prompt=True)
+  end = prev[prev.index(mark) + len(mark):]
+  if not full.startswith(prev):
+    raise ValueError("the chat template does not extend a conversation by appending")
+  return end + full[len(prev):]
+
+
+# --------------------------------------------------------------------------- sweep
+class _Progress:
+  def __init__(self, total: int, enabled: bool):
+    self.bar = None
+    if enabled:
+      from tqdm.auto import tqdm
+
+      self.bar = tqdm(total=total, unit="run", smoothing=0.1, dynamic_ncols=True)
+
+  def update(self, n=1, desc=None):
+    if self.bar is not None:
+      if desc:
+        self.bar.set_description(desc, refresh=False)
+      self.bar.update(n)
+
+  def close(self):
+    if self.bar is not None:
+      self.bar.close()
+
+
+def build_samples(model, cfg: SweepConfig) -> dict:
+  """{(task, length): (samples, max_new, padded_len)} for every synthetic / LongBench task."""
+  tok = model.tokenizer
+  out = {}
+  for length in cfg.context_lengths:
+    for task in cfg.tasks:
+      mn = _max_new(cfg, task)
+      p = _padded_len(model, length, mn + (2 * (cfg.turn_pad + mn)
+                                            if task == tasks_lib.MULTITURN_TASK else 0))
+      ss = [tasks_lib.make_sample(tok, task, length, i, cfg.seed, target_tokens=p)
+            for i in range(cfg.samples)]
+      out[(task, length)] = (ss, mn, p)
+    if cfg.data_dir:
+      lb = longbench.load_samples(tok, cfg.data_dir, length, datasets=cfg.datasets,
+                                  max_samples=cfg.samples,
+                                  target_tokens=_padded_len(model, length, 64))
+      by_task: dict = {}
+      for s in lb:
+        by_task.setdefault(s.task, []).append(s)
+      for task, ss in by_task.items():
+        mn = _max_new(cfg, task, ss[0].metric)
+        p = _padded_len(model, length, mn)
+        out[(task, length)] = (ss, mn, p)
+  return out
+
+
+def run_sweep(model, cfg: SweepConfig, *, progress: bool = True) -> dict[str, Any]:
+  if model.tokenizer is None:
+    raise ValueError("the evaluation needs a model with a tokenizer (chat template)")
+  tok = model.tokenizer
+  runner = Runner(model, window_size=cfg.window_size)
+  t_start = time.perf_counter()
+  groups = build_samples(model, cfg)
+  gen_s = time.perf_counter() - t_start
+
+  total = 0
+  for (task, _), (ss, _, _) in groups.items():
+    if task == tasks_lib.MULTITURN_TASK:
+      total += len(ss) * (1 + len(_configs(cfg, cfg.multiturn_methods)))
+    else:
+      nb = -(-len(ss) // cfg.batch_size)
+      total += nb * (1 + len(_configs(cfg)))
+  bar = _Progress(total, progress)
+  records: list[dict] = []
+  plans: dict[str, dict] = {}
+  timing = dict(generate_samples_s=gen_s, prompt_pass_s=0.0, decode_s=0.0)
+
+  for (task, length), (ss, mn, p) in groups.items():
+    if task == tasks_lib.MULTITURN_TASK:
+      _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar)
+      continue
+    for start in range(0, len(ss), cfg.batch_size):
+      batch = ss[start:start + cfg.batch_size]
+      ids = [tasks_lib.chat_ids(tok, s.prompt) for s in batch]
+      ids += [ids[-1]] * (cfg.batch_size - len(ids))
+      tokens = np.zeros((cfg.batch_size, p), np.int32)
+      lengths = np.array([len(x) for x in ids], np.int32)
+      if lengths.max() > p:
+        raise ValueError(f"{task}@{length}: a prompt has {lengths.max()} > {p} tokens")
+      for i, x in enumerate(ids):
+        tokens[i, :len(x)] = x
+      t0 = time.perf_counter()
+      pp = runner.prompt_pass(tokens, lengths)
+      pp.first.block_until_ready()
+      timing["prompt_pass_s"] += time.perf_counter() - t0
+      bar.update(1, f"{task}@{length} prefill")
+      for method, budget in _configs(cfg):
+        t0 = time.perf_counter()
+        b = budget if budget is not None else max(cfg.budgets)
+        out, _, _, _ = runner.decode(pp, method, b, mn)
+        timing["decode_s"] += time.perf_counter() - t0
+        plans[f"{method}/{budget}/{p}+{mn}"] = _plan_dict(runner.plan(method, b, p, mn))
+        for s, row in zip(batch, out):
+          pred = tok.decode(row)
+          records.append(_record(s, method, budget, pred, tasks_lib.score(
+              s.metric, pred, s.answers, all_classes=s.meta.get("all_classes", ()))))
+        bar.update(1, f"{task}@{length} {method}/{budget}")
+  bar.close()
+  timing["total_s"] = time.perf_counter() - t_start
+  return dict(config=_config_dict(model, cfg), plans=plans, records=records, timing=timing)
+
+
+def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
+  turns = 1 + max(len(s.questions) for s in ss)
+  tpad = cfg.turn_pad
+  rest = (turns - 1) * (tpad + mn) + mn  # tokens after the first prompt, upper bound
+  eos = set(runner.eos_token_ids)
+  for s in ss:
+    ids = tasks_lib.chat_ids(tok, s.prompt)
+    if len(ids) > p:
+      raise ValueError(f"multiturn: prompt has {len(ids)} > {p} tokens")
+    tokens = np.zeros((1, p), np.int32)
+    tokens[0, :len(ids)] = ids
+    t0 = time.perf_counter()
+    pp = runner.prompt_pass(tokens, np.array([len(ids)], np.int32))
+    pp.first.block_until_ready()
+    timing["prompt_pass_s"] += time.perf_counter() - t0
+    bar.update(1, "multiturn prefill")
+    for method, budget in _configs(cfg, cfg.multiturn_methods):
+      t0 = time.perf_counter()
+      b = budget if budget is not None else max(cfg.budgets)
+      mt = method == "rocketkv_mt"
+      plan = runner.plan(method, b, p, mn if mt else rest)
+      plans[f"multiturn/{method}/{budget}/{p}+{mn if mt else rest}"] = _plan_dict(plan)
+      got, out, steps, cache = runner.decode(pp, method, b, mn, keep_cache=True,
+                                             max_new_for_plan=mn if mt else rest)
+      answers = [s.answers] + list(s.turn_answers)
+      for t in range(turns):
+        if t > 0:
+          last = int(out[0, steps - 1])
+          text = _turn_text(tok, s.questions[t - 1])
+          tids = ([] if last in eos else [last]) + tok.encode(text, add_special_tokens=False)
+          if len(tids) > tpad:
+            raise ValueError(f"turn prompt has {len(tids)} > turn_pad={tpad} tokens")
+          tt = np.zeros((1, tpad), np.int32)
+          tt[0, :len(tids)] = tids
+          tl = np.array([len(tids)], np.int32)
+          states = layer_states(runner.model.params, cache)
+          if mt:
+            first, kt, vt, qw = runner.turn_prefill([st.full for st in states], tt, tl)
+            tplan = runner.plan(method, b, p + t * (tpad + mn), mn)
+            plans[f"multiturn/{method}/{budget}/turn{t + 1}"] = _plan_dict(tplan)
+            states = _begin_all(states, kt, vt, qw, jax.numpy.asarray(tl), plan=tplan)
+            seen = states[0].full.seen
+          else:
+            first, kt, vt, qw = runner.turn_prefill(states, tt, tl)
+            tplan = plan
+            states = _extend_all(states, kt, vt, jax.numpy.asarray(tl))
+            seen = states[0].seen
+          got, out, steps, cache = runner.continue_decode(
+              as_cache(runner.model.params, states), first, seen, tplan, mn)
+        pred = tok.decode(got[0])
+        records.append(_record(s, method, budget, pred,
+                               tasks_lib.score("contains", pred, answers[t]), turn=t + 1,
+                               task=f"multiturn_t{t + 1}") | dict(answers=list(answers[t])))
+      timing["decode_s"] += time.perf_counter() - t0
+      bar.update(1, f"multiturn {method}/{budget}")
+
+
+def _config_dict(model, cfg: SweepConfig) -> dict:
+  c = dataclasses.asdict(cfg)
+  c["model"] = dict(source=model.source and str(model.source).split("/")[-1],
+                    num_layers=model.config.num_layers, head_dim=model.config.head_dim,
+                    num_heads=model.config.num_heads, num_kv_heads=model.config.num_kv_heads,
+                    max_position_embeddings=model.config.max_position_embeddings,
+                    dtype=str(model.dtype))
+  c["max_new_tokens_per_task"] = {t: _max_new(cfg, t) for t in cfg.tasks}
+  c["jax_version"] = jax.__version__
+  c["greedy"] = True
+  return c

@@ -1,0 +1,205 @@
+"""Sweep outputs: JSON (config + per-sample records), Markdown tables, matplotlib plots.
+
+Scores are reported as mean x 100 over the samples of a (task, length, method, budget). "full"
+has no budget; its value is repeated in every budget column.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+
+import numpy as np
+
+
+def save_json(results: dict, path: str) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(results, f, indent=1, sort_keys=True)
+
+
+def load_json(path: str) -> dict:
+  with open(path) as f:
+    return json.load(f)
+
+
+def aggregate(records: list[dict]) -> dict:
+  """{(task, length, method, budget): (mean score x 100, n)}."""
+  acc = collections.defaultdict(list)
+  for r in records:
+    acc[(r["task"], r["context_len"], r["method"], r["budget"])].append(r["score"])
+  return {k: (100.0 * float(np.mean(v)), len(v)) for k, v in acc.items()}
+
+
+def _order(values, first=("full",)):
+  vals = sorted(set(values), key=str)
+  return [v for v in first if v in vals] + [v for v in vals if v not in first]
+
+
+def _axes(records):
+  tasks = list(dict.fromkeys(r["task"] for r in records))
+  lengths = sorted({r["context_len"] for r in records})
+  methods = list(dict.fromkeys(r["method"] for r in records))
+  if "full" in methods:
+    methods = ["full"] + [m for m in methods if m != "full"]
+  budgets = sorted({r["budget"] for r in records if r["budget"] is not None})
+  return tasks, lengths, methods, budgets
+
+
+def _cell(agg, key):
+  task, length, method, budget = key
+  if method == "full":
+    key = (task, length, method, None)
+  v = agg.get(key)
+  return "" if v is None else f"{v[0]:.1f}"
+
+
+def markdown(results: dict) -> str:
+  recs = results["records"]
+  agg = aggregate(recs)
+  tasks, lengths, methods, budgets = _axes(recs)
+  lines = ["# Results", ""]
+  c = results["config"]
+  lines.append(f"Model `{c['model']['source']}`; seed {c['seed']}; greedy; samples per "
+               f"(task, length) {c['samples']}; scores are mean x 100.")
+  lines.append("")
+  # summary: mean over synthetic (non multi-turn) tasks per length
+  synth = [t for t in tasks if not t.startswith(("multiturn", "lb_"))]
+  if len(synth) > 1:
+    lines += ["## Mean over synthetic tasks (" + ", ".join(synth) + ")", ""]
+    lines.append("| length | method | " + " | ".join(f"B={b}" for b in budgets) + " |")
+    lines.append("|---|---|" + "---|" * len(budgets))
+    for length in lengths:
+      for m in methods:
+        if not any(r["method"] == m and r["task"] in synth for r in recs):
+          continue
+        cells = []
+        for b in budgets:
+          vals = [agg.get((t, length, m, None if m == "full" else b)) for t in synth]
+          vals = [v[0] for v in vals if v is not None]
+          cells.append(f"{np.mean(vals):.1f}" if vals else "")
+        lines.append(f"| {length} | {m} | " + " | ".join(cells) + " |")
+    lines.append("")
+  for task in tasks:
+    lines += [f"## {task}", ""]
+    lines.append("| length | method | " + " | ".join(f"B={b}" for b in budgets) + " | n |")
+    lines.append("|---|---|" + "---|" * (len(budgets) + 1))
+    for length in lengths:
+      for m in methods:
+        key0 = (task, length, m, None if m == "full" else (budgets[0] if budgets else None))
+        if key0 not in agg:
+          continue
+        n = agg[key0][1]
+        cells = [_cell(agg, (task, length, m, b)) for b in budgets]
+        lines.append(f"| {length} | {m} | " + " | ".join(cells) + f" | {n} |")
+    lines.append("")
+  t = results.get("timing", {})
+  if t:
+    lines.append("Timing (s): " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(t.items())))
+    lines.append("")
+  return "\n".join(lines)
+
+
+def plot_accuracy(results: dict, path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  recs = results["records"]
+  agg = aggregate(recs)
+  tasks, lengths, methods, budgets = _axes(recs)
+  fig, axes = plt.subplots(len(tasks), len(lengths), figsize=(4 * len(lengths), 3 * len(tasks)),
+                           squeeze=False)
+  for i, task in enumerate(tasks):
+    for j, length in enumerate(lengths):
+      ax = axes[i][j]
+      for m in methods:
+        if m == "full":
+          v = agg.get((task, length, m, None))
+          if v is not None:
+            ax.axhline(v[0], color="k", ls="--", lw=1, label="full")
+          continue
+        xs = [b for b in budgets if (task, length, m, b) in agg]
+        if xs:
+          ax.plot(xs, [agg[(task, length, m, b)][0] for b in xs], marker="o", label=m)
+      ax.set_xscale("log", base=2)
+      ax.set_xticks(budgets)
+      ax.set_xticklabels([str(b) for b in budgets])
+      ax.set_ylim(-5, 105)
+      ax.set_title(f"{task} @ {length}")
+      ax.set_xlabel("token budget")
+      ax.set_ylabel("score")
+  axes[0][-1].legend(fontsize=7, loc="lower right")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def plot_niah_heatmap(results: dict, path: str, task: str = "passkey") -> bool:
+  """Depth x length heatmap per (method, budget) for records that have a depth."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  recs = [r for r in results["records"] if r["task"] == task and "depth" in r]
+  if not recs:
+    return False
+  _, lengths, methods, budgets = _axes(recs)
+  depths = sorted({r["depth"] for r in recs})
+  cols = [(m, None) for m in methods if m == "full"] + [
+      (m, b) for m in methods if m != "full" for b in budgets]
+  acc = collections.defaultdict(list)
+  for r in recs:
+    acc[(r["method"], r["budget"], r["depth"], r["context_len"])].append(r["score"])
+  n = len(cols)
+  ncol = min(n, len(budgets) + 1 if budgets else 1)
+  nrow = -(-n // ncol)
+  fig, axes = plt.subplots(nrow, ncol, figsize=(2.6 * ncol, 2.4 * nrow), squeeze=False)
+  for ax in axes.flat:
+    ax.axis("off")
+  for idx, (m, b) in enumerate(cols):
+    ax = axes.flat[idx]
+    ax.axis("on")
+    grid = np.full((len(depths), len(lengths)), np.nan)
+    for di, d in enumerate(depths):
+      for li, length in enumerate(lengths):
+        v = acc.get((m, b, d, length))
+        if v:
+          grid[di, li] = 100 * np.mean(v)
+    ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+    ax.set_xticks(range(len(lengths)))
+    ax.set_xticklabels([str(x) for x in lengths], fontsize=7)
+    ax.set_yticks(range(len(depths)))
+    ax.set_yticklabels([f"{d:.2f}" for d in depths], fontsize=7)
+    ax.set_title(m if b is None else f"{m} B={b}", fontsize=8)
+    for di in range(len(depths)):
+      for li in range(len(lengths)):
+        if not np.isnan(grid[di, li]):
+          ax.text(li, di, f"{grid[di, li]:.0f}", ha="center", va="center", fontsize=7)
+  fig.suptitle(f"{task}: needle depth (rows) x context length (cols), score x 100", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+def write_all(results: dict, out_dir: str, name: str = "results") -> dict[str, str]:
+  """Writes <name>.json, <name>.md, <name>_accuracy.png and <name>_niah_heatmap.png."""
+  os.makedirs(out_dir, exist_ok=True)
+  paths = dict(json=os.path.join(out_dir, f"{name}.json"),
+               markdown=os.path.join(out_dir, f"{name}.md"),
+               accuracy=os.path.join(out_dir, f"{name}_accuracy.png"))
+  save_json(results, paths["json"])
+  with open(paths["markdown"], "w") as f:
+    f.write(markdown(results))
+  plot_accuracy(results, paths["accuracy"])
+  heat = os.path.join(out_dir, f"{name}_niah_heatmap.png")
+  tasks = {r["task"] for r in results["records"] if "depth" in r}
+  for t in ("passkey", "niah_single", "niah_multikey"):
+    if t in tasks and plot_niah_heatmap(results, heat, task=t):
+      paths["heatmap"] = heat
+      break
+  return paths

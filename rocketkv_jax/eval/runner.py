@@ -1,0 +1,321 @@
+"""Jit-traced evaluation runner: one prompt pass per prompt batch, every method built from it.
+
+    runner = Runner(model)
+    pp = runner.prompt_pass(tokens, lengths)           # jit: full K/V + last-W queries per layer
+    out = runner.decode(pp, method="rocketkv", token_budget=256, max_new_tokens=16)
+
+The prompt pass runs the model once over a right-padded batch `[B, L]` with full (blockwise
+causal) attention and keeps, for every layer, the post-RoPE keys and values of every prompt
+token and the post-RoPE queries of the last W valid tokens. Because stage-1 eviction (SnapKV /
+RocketKV), StreamingLLM's sink + window and the dense caches of Quest / SparQ / exact top-k /
+full KV are all functions of exactly these tensors, every (method, budget) then builds its
+cache with `rocketkv.prefill(k, v, q_window, plan, lengths=...)` per layer inside one jitted
+program that also runs the greedy decode loop (`lax.while_loop` over
+`models.llama.decode_step`). A sweep therefore costs one prefill per prompt batch; each
+(method, budget, padded length, batch size) compiles once.
+
+The first generated token is the argmax of the prompt pass's last-token logits, which are the
+same for every method (every method attends densely while reading the prompt), exactly as in
+`rocketkv.generate`; later tokens are fed back with `positions = seen + step - 1`.
+
+Multi-turn (`turn_prefill`): a later turn's prompt tokens are run densely (full attention over
+the valid slots of the given per-layer KV caches, causal inside the turn), which returns that
+turn's keys / values / last-W queries; the caller appends them (`rocketkv.extend`) or re-runs
+stage 1 (`rocketkv.begin_turn`, RocketKV-MT).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+
+import rocketkv_jax as rocketkv
+from rocketkv_jax.models import llama
+from rocketkv_jax.models.attention import blockwise_causal_attention
+
+
+# --------------------------------------------------------------------------- layer layout
+def _stacked_layers(params):
+  """Layers stacked on a leading axis whatever the parameter layout (list of dicts or stacked)."""
+  layers = params["layers"]
+  if isinstance(layers, (list, tuple)):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  return layers
+
+
+def _cache_layout(params, states: list):
+  """Per-layer states in the layout `llama.decode_step` expects (a tuple, or stacked)."""
+  if isinstance(params["layers"], (list, tuple)):
+    return tuple(states)
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
+
+def _unstack(tree, n: int) -> list:
+  return [jax.tree.map(lambda a, i=i: a[i], tree) for i in range(n)]
+
+
+# --------------------------------------------------------------------------- programs
+@dataclasses.dataclass
+class PromptPass:
+  """Output of the prompt pass for one right-padded batch.
+
+  Attributes:
+    k, v: `[N, B, Hkv, L, Dh]` post-RoPE keys / values of every layer.
+    q_window: `[N, B, Hq, W, Dh]` post-RoPE queries of the last W valid tokens.
+    lengths: `[B]` int32 valid prompt lengths.
+    first: `[B]` int32 greedy first generated token (same for every method).
+  """
+
+  k: jax.Array
+  v: jax.Array
+  q_window: jax.Array
+  lengths: jax.Array
+  first: jax.Array
+
+  @property
+  def padded_len(self) -> int:
+    return int(self.k.shape[3])
+
+  @property
+  def batch(self) -> int:
+    return int(self.k.shape[1])
+
+
+@functools.partial(jax.jit, static_argnames=("config", "window", "block_size"))
+def _prompt_pass(params, tokens, lengths, *, config, window, block_size):
+  b, length = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+  widx = llama.window_indices(lengths, length, window)
+  x = params["embed"][tokens]
+
+  def layer(x, lp):
+    q, k, v = llama._qkv(lp, config, x, positions)
+    a = blockwise_causal_attention(q, k, v, sliding_window=config.sliding_window,
+                                   block_size=block_size)
+    qw = jnp.take_along_axis(q, widx[:, None, :, None], axis=2)
+    x = llama._mlp_residual(lp, config, llama._attn_residual(lp, x, a))
+    return x, (k, v, qw)
+
+  x, (ks, vs, qws) = lax.scan(layer, x, _stacked_layers(params))
+  last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  logits = llama.unembed(params, config, last)
+  return jnp.argmax(logits, axis=-1).astype(jnp.int32), ks, vs, qws
+
+
+def _greedy_loop(params, cache, first, seen, eos, *, config, plan, max_new_tokens):
+  """Greedy decode: `first` [B] was sampled already and sits at position `seen`."""
+  b = first.shape[0]
+  out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
+  is_eos = lambda t: jnp.any(t[:, None] == eos[None, :], axis=-1)
+  done = is_eos(first)
+
+  def cond(carry):
+    step, _, _, done, _ = carry
+    return (step < max_new_tokens) & ~jnp.all(done)
+
+  def body(carry):
+    step, tok, out, done, cache = carry
+    logits, cache = llama.decode_step(params, cache, tok, seen + step - 1, config=config,
+                                      plan=plan)
+    nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    nxt = jnp.where(done, tok, nxt)
+    out = out.at[:, step].set(nxt)
+    return step + 1, nxt, out, done | is_eos(nxt), cache
+
+  steps, _, out, _, cache = lax.while_loop(cond, body, (jnp.int32(1), first, out, done, cache))
+  return out, steps, cache
+
+
+def _build_states(k, v, qw, lengths, plan):
+  """Per-layer method states from the stored prompt K/V (scanned over layers)."""
+  def one(_, xs):
+    kk, vv, qq = xs
+    return None, rocketkv.prefill(kk, vv, qq, plan, lengths=lengths)
+
+  _, stacked = lax.scan(one, None, (k, v, qw))
+  return _unstack(stacked, k.shape[0])
+
+
+@functools.partial(jax.jit, static_argnames=("config", "plan", "max_new_tokens", "keep_cache"))
+def _method_decode(params, k, v, qw, lengths, first, eos, *, config, plan, max_new_tokens,
+                   keep_cache):
+  states = _build_states(k, v, qw, lengths, plan)
+  cache = _cache_layout(params, states)
+  out, steps, cache = _greedy_loop(params, cache, first, lengths, eos, config=config, plan=plan,
+                                   max_new_tokens=max_new_tokens)
+  return out, steps, (cache if keep_cache else None)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "plan", "max_new_tokens"))
+def _continue_decode(params, cache, first, seen, eos, *, config, plan, max_new_tokens):
+  out, steps, cache = _greedy_loop(params, cache, first, seen, eos, config=config, plan=plan,
+                                   max_new_tokens=max_new_tokens)
+  return out, steps, cache
+
+
+def _dense_attend(q, ck, cv, cvalid, tk, tv, tvalid):
+  """Turn queries over cache slots (all visible where valid) + causal turn keys.
+
+  q `[B, Hq, T, D]`, ck/cv `[B, Hkv, C, D]`, cvalid `[B, Hkv, C]`, tk/tv `[B, Hkv, T, D]`,
+  tvalid `[B, T]` -> `[B, Hq, T, D]` (fp32 softmax).
+  """
+  b, hq, t, d = q.shape
+  hkv = ck.shape[1]
+  g = hq // hkv
+  qg = q.reshape(b, hkv, g, t, d).astype(jnp.float32)
+  scale = 1.0 / np.sqrt(d)
+  s_c = jnp.einsum("bhgtd,bhcd->bhgtc", qg, ck.astype(jnp.float32)) * scale
+  s_c = jnp.where(cvalid[:, :, None, None, :], s_c, -1e30)
+  s_t = jnp.einsum("bhgtd,bhsd->bhgts", qg, tk.astype(jnp.float32)) * scale
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  s_t = jnp.where(causal[None, None, None] & tvalid[:, None, None, None, :], s_t, -1e30)
+  s = jnp.concatenate([s_c, s_t], axis=-1)
+  p = jax.nn.softmax(s, axis=-1)
+  vals = jnp.concatenate([cv, tv], axis=2).astype(jnp.float32)
+  o = jnp.einsum("bhgts,bhsd->bhgtd", p, vals)
+  return o.reshape(b, hq, t, d).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "window"))
+def _turn_prefill(params, caches, tokens, turn_lengths, *, config, window):
+  """Dense pass of a turn's tokens `[B, T]` over per-layer KVCaches (list, one per layer).
+
+  Returns (first greedy token [B], k_turn, v_turn [N, B, Hkv, T, D], q_window [N, B, Hq, W, D]).
+  """
+  b, t = tokens.shape
+  seen = caches[0].seen
+  positions = seen[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  widx = llama.window_indices(turn_lengths, t, window)
+  tvalid = jnp.arange(t)[None, :] < turn_lengths[:, None]
+  x = params["embed"][tokens]
+  layers = params["layers"]
+  layers = _unstack(layers, len(caches)) if not isinstance(layers, (list, tuple)) else layers
+  ks, vs, qws = [], [], []
+  for lp, cache in zip(layers, caches):
+    q, k, v = llama._qkv(lp, config, x, positions)
+    cvalid = jnp.broadcast_to((jnp.arange(cache.capacity) < cache.length[:, None])[:, None, :],
+                              cache.pos.shape)
+    a = _dense_attend(q, cache.k, cache.v, cvalid, k.astype(cache.k.dtype),
+                      v.astype(cache.v.dtype), tvalid)
+    x = llama._mlp_residual(lp, config, llama._attn_residual(lp, x, a))
+    ks.append(k)
+    vs.append(v)
+    qws.append(jnp.take_along_axis(q, widx[:, None, :, None], axis=2))
+  last = jnp.take_along_axis(x, (turn_lengths - 1)[:, None, None], axis=1)[:, 0]
+  first = jnp.argmax(llama.unembed(params, config, last), axis=-1).astype(jnp.int32)
+  return first, jnp.stack(ks), jnp.stack(vs), jnp.stack(qws)
+
+
+# --------------------------------------------------------------------------- user API
+class Runner:
+  """Binds a model; every method reuses one prompt pass.
+
+  Args:
+    model: a `rocketkv.models.Model`.
+    window_size: stage-1 observation window W (RocketConfig default 32).
+    block_size: prefill attention tile.
+    eos_token_ids: stop ids (default: the tokenizer's, else the config's).
+  """
+
+  def __init__(self, model, *, window_size: int = 32, block_size: int = 512,
+               eos_token_ids=None):
+    self.model = model
+    self.config = model.config
+    self.window_size = window_size
+    self.block_size = block_size
+    if eos_token_ids is None:
+      eos_token_ids = tuple(self.config.eos_token_ids or ())
+      if model.tokenizer is not None and model.tokenizer.eos_token_ids:
+        eos_token_ids = tuple(model.tokenizer.eos_token_ids)
+    self.eos_token_ids = tuple(int(e) for e in eos_token_ids)
+    eos = list(self.eos_token_ids) or [-1]
+    self._eos = jnp.asarray(np.array(eos, np.int32))
+
+  # ---------------------------------------------------------------- helpers
+  def rocket_config(self, method: str, token_budget: int) -> "rocketkv.RocketConfig":
+    return rocketkv.RocketConfig(token_budget=int(token_budget), method=method,
+                                 window_size=self.window_size)
+
+  def plan(self, method: str, token_budget: int, prompt_len: int, max_new_tokens: int):
+    return rocketkv.plan(self.rocket_config(method, token_budget), prompt_len, max_new_tokens,
+                         self.config.head_dim)
+
+  def strip(self, out: np.ndarray, steps: int) -> list[list[int]]:
+    """Rows of generated ids cut at the first EOS (EOS dropped), as `rocketkv.generate`."""
+    eos = set(self.eos_token_ids)
+    res = []
+    for row in np.asarray(out)[:, :steps].tolist():
+      toks = []
+      for t in row:
+        if t in eos:
+          break
+        toks.append(t)
+      res.append(toks)
+    return res
+
+  # ---------------------------------------------------------------- programs
+  def prompt_pass(self, tokens: np.ndarray, lengths: np.ndarray) -> PromptPass:
+    """tokens `[B, L]` right-padded ids, lengths `[B]` -> `PromptPass` (one jit call)."""
+    tokens = np.asarray(tokens, np.int32)
+    lengths = np.asarray(lengths, np.int32)
+    if tokens.ndim != 2 or lengths.shape != (tokens.shape[0],):
+      raise ValueError(f"tokens must be [B, L] and lengths [B], got {tokens.shape}, "
+                       f"{lengths.shape}")
+    if lengths.min() < 1 or lengths.max() > tokens.shape[1]:
+      raise ValueError(f"lengths must be in [1, {tokens.shape[1]}], got {lengths.tolist()}")
+    lj = jnp.asarray(lengths)
+    first, k, v, qw = _prompt_pass(self.model.params, jnp.asarray(tokens), lj,
+                                   config=self.config, window=self.window_size,
+                                   block_size=self.block_size)
+    return PromptPass(k=k, v=v, q_window=qw, lengths=lj, first=first)
+
+  def decode(self, pp: PromptPass, method: str, token_budget: int, max_new_tokens: int, *,
+             keep_cache: bool = False, max_new_for_plan: int | None = None):
+    """Builds `method`'s cache from the prompt pass and decodes greedily.
+
+    Returns (tokens per row (EOS-stripped), raw output `[B, max_new]`, steps, cache or None).
+    `max_new_for_plan` sizes the plan for more tokens than this call decodes (multi-turn).
+    """
+    if self.config.max_position_embeddings < pp.padded_len + max_new_tokens:
+      raise ValueError(f"prompt ({pp.padded_len}) + max_new_tokens ({max_new_tokens}) exceeds "
+                       f"the model's context of {self.config.max_position_embeddings}")
+    plan = self.plan(method, token_budget, pp.padded_len, max_new_for_plan or max_new_tokens)
+    out, steps, cache = _method_decode(
+        self.model.params, pp.k, pp.v, pp.q_window, pp.lengths, pp.first, self._eos,
+        config=self.config, plan=plan, max_new_tokens=max_new_tokens, keep_cache=keep_cache)
+    out = np.asarray(out)
+    steps = int(steps)
+    return self.strip(out, steps), out, steps, cache
+
+  def continue_decode(self, cache, first, seen, plan, max_new_tokens: int):
+    """Greedy decode from an existing cache (multi-turn)."""
+    out, steps, cache = _continue_decode(self.model.params, cache, first, seen, self._eos,
+                                         config=self.config, plan=plan,
+                                         max_new_tokens=max_new_tokens)
+    out = np.asarray(out)
+    steps = int(steps)
+    return self.strip(out, steps), out, steps, cache
+
+  def turn_prefill(self, caches: list, tokens: np.ndarray, turn_lengths: np.ndarray):
+    """Dense pass of a later turn's tokens over per-layer `KVCache`s (see module doc)."""
+    return _turn_prefill(self.model.params, list(caches), jnp.asarray(tokens, jnp.int32),
+                         jnp.asarray(turn_lengths, jnp.int32), config=self.config,
+                         window=self.window_size)
+
+
+def layer_states(params, cache) -> list:
+  """The decode cache (tuple or stacked) as a list of per-layer states."""
+  if isinstance(cache, (list, tuple)):
+    return list(cache)
+  n = jax.tree_util.tree_leaves(cache)[0].shape[0]
+  return _unstack(cache, n)
+
+
+def as_cache(params, states: list) -> Any:
+  return _cache_layout(params, states)

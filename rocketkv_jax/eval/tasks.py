@@ -1,0 +1,338 @@
+"""Seeded synthetic long-context tasks: passkey / NIAH and RULER-style tasks, written here.
+
+Every generator is a pure function of (seed, task, context length, sample index): the same
+arguments give the same prompt, answer and needle positions. A haystack is filled up to a token
+target measured with the model's own tokenizer, and the final prompt is the user message wrapped
+in the model's chat template (`tokenizer.apply_chat_template`).
+
+Tasks (name -> what is asked, how it is scored):
+  passkey          a 5-digit pass key hidden at a given depth of filler text; `contains`
+                   (the NIAH depth x length grid uses this task).
+  niah_single      one "special magic number for <key>" needle; `contains`.
+  niah_multikey    the queried needle plus 3 distractor needles with other keys; `contains`.
+  niah_multivalue  4 numbers for the same key, all asked for; `recall` of the 4 numbers.
+  niah_multiquery  4 keys with one number each, all 4 asked for; `recall`.
+  vt               variable tracking: a chain `VAR A = 12345`, `VAR B = VAR A`, ... (4 names)
+                   spread through the filler, plus a distractor chain; `recall` of the names.
+  cwe              common-words extraction: a numbered word list where 5 words appear far more
+                   often than the rest; `recall` of those 5 words.
+
+Filler: sentences produced by a small seeded grammar (subjects x verbs x objects x places), so
+the haystack is varied prose and needs no downloaded corpus.
+
+Tokenizer interface used here (satisfied by `rocketkv.models.Tokenizer`):
+`encode(text, add_special_tokens=False) -> list[int]` and
+`apply_chat_template(messages, add_generation_prompt=True) -> str`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt",
+         "cwe")
+MULTITURN_TASK = "multiturn"
+NIAH_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+# Per-task generation length (answers plus a short preamble).
+MAX_NEW_TOKENS = {"passkey": 16, "niah_single": 24, "niah_multikey": 24, "niah_multivalue": 48,
+                  "niah_multiquery": 48, "vt": 32, "cwe": 48, "multiturn": 24}
+
+_SUBJECTS = ("The old fisherman", "A young painter", "The village council", "My neighbour",
+             "The night train", "A curious fox", "The librarian", "Our grandmother",
+             "The river", "A travelling merchant", "The tired farmer", "The school choir",
+             "A quiet engineer", "The harbour master", "The morning wind", "A lost traveller",
+             "The baker", "The mountain guide", "A small robot", "The gardener")
+_VERBS = ("walked past", "painted", "talked about", "remembered", "carried", "looked at",
+          "repaired", "wrote a letter about", "sang about", "dreamed of", "cleaned",
+          "measured", "followed", "described", "photographed", "visited", "forgot",
+          "admired", "counted", "planted")
+_OBJECTS = ("the wooden bridge", "a basket of apples", "the stone tower", "an empty boat",
+            "the red lantern", "a box of letters", "the green hills", "a broken clock",
+            "the narrow street", "a field of barley", "the copper kettle", "a flock of geese",
+            "the old map", "a jar of honey", "the silver bell", "the winter market",
+            "a pile of books", "the lighthouse", "a pair of boots", "the orchard gate")
+_PLACES = ("near the harbour", "before sunrise", "after the long rain", "in the quiet valley",
+           "during the festival", "on a cold afternoon", "beside the mill", "at the edge of town",
+           "under the bright moon", "in late autumn", "while the kettle boiled",
+           "without saying a word", "for the third time that week", "as the bells rang",
+           "behind the bakery", "in the old square")
+_TAILS = ("", "", "", " Nobody seemed surprised.", " It was an ordinary day.",
+          " The sky stayed grey for hours.", " Everyone went home early.",
+          " The air smelled of bread and smoke.", " A dog barked somewhere far away.")
+_KEY_ADJ = ("amber", "brisk", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy",
+            "jolly", "keen", "lively", "misty", "noble", "odd", "proud", "quick", "rusty",
+            "silent", "tidy", "upbeat", "vivid", "wild", "young", "zesty")
+_KEY_NOUN = ("anchor", "badger", "candle", "dolphin", "engine", "falcon", "glacier", "harbor",
+             "island", "jacket", "kitten", "lantern", "meadow", "needle", "otter", "pepper",
+             "quarry", "rocket", "saddle", "tunnel", "umbrella", "violin", "walnut", "yacht",
+             "zebra")
+_CWE_WORDS = tuple(sorted(set(
+    "apple river stone cloud maple tiger piano lemon candle forest rocket silver garden "
+    "window bottle pencil mirror button dragon castle island jungle ladder magnet needle "
+    "orange parrot pillow rabbit saddle tomato turtle violin wallet yogurt zipper anchor "
+    "basket carpet donkey engine falcon guitar hammer jacket kettle lizard meadow napkin "
+    "oyster pepper quartz ribbon salmon tablet umbrella velvet walnut barley copper desert "
+    "feather glider harbor insect jigsaw koala lantern marble nectar orchid planet quiver "
+    "raisin sponge tundra utensil vessel willow".split())))
+
+
+@dataclasses.dataclass
+class Sample:
+  """One evaluation prompt.
+
+  Attributes:
+    task: task name; context_len: the length bucket it was built for; index: sample index.
+    prompt: the user message (before the chat template).
+    answers: reference strings.
+    metric: "contains" | "recall" | a LongBench metric name.
+    meta: task details (needle depth, keys, ...).
+    questions, turn_answers: multi-turn only: the later turns' questions and answers
+      (`prompt` holds the context and the first question, `answers` its answer).
+  """
+
+  task: str
+  context_len: int
+  index: int
+  prompt: str
+  answers: list[str]
+  metric: str
+  meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+  questions: list[str] = dataclasses.field(default_factory=list)
+  turn_answers: list[list[str]] = dataclasses.field(default_factory=list)
+
+
+def sample_rng(seed: int, task: str, context_len: int, index: int) -> np.random.Generator:
+  """A generator keyed by stable integers (no Python `hash`, which is salted per process)."""
+  tid = sum((i + 1) * ord(c) for i, c in enumerate(task))
+  return np.random.default_rng([int(seed), tid, int(context_len), int(index)])
+
+
+def filler_sentences(rng: np.random.Generator, n: int) -> list[str]:
+  out = []
+  for _ in range(n):
+    out.append(f"{_SUBJECTS[rng.integers(len(_SUBJECTS))]} "
+               f"{_VERBS[rng.integers(len(_VERBS))]} {_OBJECTS[rng.integers(len(_OBJECTS))]} "
+               f"{_PLACES[rng.integers(len(_PLACES))]}.{_TAILS[rng.integers(len(_TAILS))]}")
+  return out
+
+
+def chat_ids(tokenizer, user_message: str) -> list[int]:
+  """The chat-templated prompt ids (user turn + generation prompt), as `generate(chat=True)`."""
+  text = tokenizer.apply_chat_template([{"role": "user", "content": user_message}])
+  return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _key(rng, used: set) -> str:
+  while True:
+    k = f"{_KEY_ADJ[rng.integers(len(_KEY_ADJ))]}-{_KEY_NOUN[rng.integers(len(_KEY_NOUN))]}"
+    if k not in used:
+      used.add(k)
+      return k
+
+
+def _number(rng, digits: int = 7) -> str:
+  return str(int(rng.integers(10 ** (digits - 1), 10 ** digits)))
+
+
+def _magic(key: str, value: str) -> str:
+  return f"One of the special magic numbers for {key} is: {value}."
+
+
+class _Haystack:
+  """Fills filler sentences around needles up to a token target (measured with the tokenizer)."""
+
+  def __init__(self, tokenizer, rng, target_tokens: int):
+    self.tok = tokenizer
+    self.rng = rng
+    self.target = target_tokens
+
+  def build(self, make_message, needles: list[str], depths: list[float]) -> tuple[str, int]:
+    """make_message(haystack) -> user message. Returns (message, prompt token count)."""
+    est = max(8, self.target // 10)
+    sents = filler_sentences(self.rng, est)
+    # Grow until the prompt exceeds the target, then trim sentences until it fits.
+    while True:
+      msg = make_message(self._insert(sents, needles, depths))
+      n = len(chat_ids(self.tok, msg))
+      if n > self.target:
+        break
+      per = max(n / max(len(sents), 1), 1.0)
+      more = max(4, int((self.target - n) / per) + 4)
+      sents = sents + filler_sentences(self.rng, more)
+    lo, hi = 0, len(sents)  # largest prefix length whose prompt fits
+    while lo < hi:
+      mid = (lo + hi + 1) // 2
+      m = make_message(self._insert(sents[:mid], needles, depths))
+      if len(chat_ids(self.tok, m)) <= self.target:
+        lo = mid
+      else:
+        hi = mid - 1
+    msg = make_message(self._insert(sents[:lo], needles, depths))
+    n = len(chat_ids(self.tok, msg))
+    if n > self.target:
+      raise ValueError(f"a context of {self.target} tokens is too short for this task: the "
+                       f"prompt without filler has {n} tokens")
+    return msg, n
+
+  @staticmethod
+  def _insert(sents: list[str], needles: list[str], depths: list[float]) -> str:
+    out = list(sents)
+    # insert deepest first so earlier indices stay valid
+    order = sorted(range(len(needles)), key=lambda i: -depths[i])
+    for i in order:
+      pos = int(round(depths[i] * len(sents)))
+      out.insert(min(pos, len(out)), needles[i])
+    return " ".join(out)
+
+
+def _spread_depths(rng, n: int) -> list[float]:
+  return sorted(float(d) for d in rng.uniform(0.05, 0.95, size=n))
+
+
+def make_sample(tokenizer, task: str, context_len: int, index: int, seed: int = 0,
+                target_tokens: int | None = None) -> Sample:
+  """Builds sample `index` of `task` whose chat-templated prompt has <= target_tokens tokens
+  (default `context_len`)."""
+  if task not in TASKS and task != MULTITURN_TASK:
+    raise ValueError(f"task must be one of {TASKS + (MULTITURN_TASK,)}, got {task!r}")
+  rng = sample_rng(seed, task, context_len, index)
+  target = int(target_tokens or context_len)
+  hay = _Haystack(tokenizer, rng, target)
+  used: set = set()
+  meta: dict[str, Any] = {}
+
+  if task == "passkey":
+    depth = NIAH_DEPTHS[index % len(NIAH_DEPTHS)]
+    key = _number(rng, 5)
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+    intro = ("There is an important piece of information hidden inside a lot of irrelevant "
+             "text. Find it and memorize it.\n\n")
+    q = "\n\nWhat is the pass key? The pass key is"
+    msg, n = hay.build(lambda h: intro + h + q, [needle], [depth])
+    return Sample(task, context_len, index, msg, [key], "contains",
+                  dict(depth=depth, prompt_tokens=n))
+
+  intro = ("Some special magic numbers are hidden within the following text. Make sure to "
+           "memorize them. I will quiz you about the numbers afterwards.\n\n")
+  if task in ("niah_single", "niah_multikey"):
+    depth = NIAH_DEPTHS[index % len(NIAH_DEPTHS)]
+    key, val = _key(rng, used), _number(rng)
+    needles, depths = [_magic(key, val)], [depth]
+    if task == "niah_multikey":
+      for d in rng.uniform(0.0, 1.0, size=3):
+        needles.append(_magic(_key(rng, used), _number(rng)))
+        depths.append(float(d))
+    q = (f"\n\nWhat is the special magic number for {key} mentioned in the provided text? "
+         f"The special magic number for {key} mentioned in the provided text is")
+    msg, n = hay.build(lambda h: intro + h + q, needles, depths)
+    return Sample(task, context_len, index, msg, [val], "contains",
+                  dict(depth=depth, key=key, prompt_tokens=n))
+
+  if task == "niah_multivalue":
+    key = _key(rng, used)
+    vals = [_number(rng) for _ in range(4)]
+    q = (f"\n\nWhat are all the special magic numbers for {key} mentioned in the provided "
+         f"text? The special magic numbers for {key} mentioned in the provided text are")
+    msg, n = hay.build(lambda h: intro + h + q, [_magic(key, v) for v in vals],
+                       _spread_depths(rng, 4))
+    return Sample(task, context_len, index, msg, vals, "recall", dict(key=key, prompt_tokens=n))
+
+  if task == "niah_multiquery":
+    keys = [_key(rng, used) for _ in range(4)]
+    vals = [_number(rng) for _ in range(4)]
+    q = (f"\n\nWhat are all the special magic numbers for {', '.join(keys[:-1])} and "
+         f"{keys[-1]} mentioned in the provided text? The special magic numbers for "
+         f"{', '.join(keys[:-1])} and {keys[-1]} mentioned in the provided text are")
+    msg, n = hay.build(lambda h: intro + h + q, [_magic(k, v) for k, v in zip(keys, vals)],
+                       _spread_depths(rng, 4))
+    return Sample(task, context_len, index, msg, vals, "recall", dict(keys=keys, prompt_tokens=n))
+
+  if task == "vt":
+    letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    names: set = set()
+
+    def name():
+      while True:
+        s = "".join(letters[i] for i in rng.integers(0, 26, size=5))
+        if s not in names:
+          names.add(s)
+          return s
+
+    value, other = _number(rng, 5), _number(rng, 5)
+    chain = [name() for _ in range(4)]
+    decoy = [name() for _ in range(4)]
+    needles = [f"VAR {chain[0]} = {value}."] + [
+        f"VAR {chain[i]} = VAR {chain[i - 1]}." for i in range(1, 4)]
+    needles += [f"VAR {decoy[0]} = {other}."] + [
+        f"VAR {decoy[i]} = VAR {decoy[i - 1]}." for i in range(1, 4)]
+    d1, d2 = _spread_depths(rng, 4), _spread_depths(rng, 4)
+    intro_vt = ("Memorize and track the chain(s) of variable assignment hidden in the following "
+                "text.\n\n")
+    q = (f"\n\nQuestion: Find all variables that are assigned the value {value} in the text "
+         f"above. Answer: According to the chain(s) of variable assignment in the text above, "
+         f"4 variables are assigned the value {value}, they are:")
+    msg, n = hay.build(lambda h: intro_vt + h + q, needles, d1 + d2)
+    return Sample(task, context_len, index, msg, chain, "recall",
+                  dict(value=value, prompt_tokens=n))
+
+  if task == "cwe":
+    words = list(_CWE_WORDS)
+    rng.shuffle(words)
+    common, rare = words[:5], words[5:]
+
+    def message(k: int) -> str:
+      # k rounds; each round lists every common word twice and the next 10 rare words once
+      r2 = np.random.default_rng([int(seed), 7, int(context_len), int(index)])
+      items = []
+      for r in range(k):
+        items += [rare[(10 * r + j) % len(rare)] for j in range(10)] + common * 2
+      r2.shuffle(items)
+      body = " ".join(f"{i + 1}. {w}" for i, w in enumerate(items))
+      return ("Below is a numbered list of words. In these words, some appear more often than "
+              "others. Memorize the ones that appear most often.\n" + body +
+              "\nQuestion: What are the 5 most common words in the above list? Answer: The top "
+              "5 words that appear most often in the list are:")
+
+    lo, hi = 1, 1
+    while len(chat_ids(tokenizer, message(hi))) <= target:
+      lo, hi = hi, hi * 2
+    while hi - lo > 1:
+      mid = (lo + hi) // 2
+      if len(chat_ids(tokenizer, message(mid))) <= target:
+        lo = mid
+      else:
+        hi = mid
+    msg = message(lo)
+    n = len(chat_ids(tokenizer, msg))
+    if n > target:
+      raise ValueError(f"context {target} is too short for the cwe task ({n} tokens)")
+    return Sample(task, context_len, index, msg, common, "recall", dict(prompt_tokens=n))
+
+  # multi-turn: 3 needles, one question per turn (RocketKV-MT scenario)
+  keys = [_key(rng, used) for _ in range(3)]
+  vals = [_number(rng) for _ in range(3)]
+  qs = [f"What is the special magic number for {k} mentioned in the provided text? Answer with "
+        f"the number only." for k in keys]
+  msg, n = hay.build(lambda h: intro + h + "\n\n" + qs[0], [_magic(k, v) for k, v in
+                                                             zip(keys, vals)],
+                     _spread_depths(rng, 3))
+  return Sample(MULTITURN_TASK, context_len, index, msg, [vals[0]], "contains",
+                dict(keys=keys, prompt_tokens=n), questions=qs[1:],
+                turn_answers=[[v] for v in vals[1:]])
+
+
+def score(metric: str, prediction: str, answers: list[str], **kw) -> float:
+  """Synthetic-task scores in [0, 1]: `contains` (any answer appears, case-insensitive) or
+  `recall` (fraction of answers that appear); LongBench metric names dispatch to `metrics`."""
+  p = prediction.lower()
+  if metric == "contains":
+    return float(any(a.lower() in p for a in answers))
+  if metric == "recall":
+    return sum(a.lower() in p for a in answers) / len(answers)
+  from rocketkv_jax.eval import metrics
+
+  return metrics.score(metric, prediction, answers, **kw)
