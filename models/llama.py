@@ -113,8 +113,11 @@ def _mlp_residual(lp: Params, config: ModelConfig, x: jnp.ndarray) -> jnp.ndarra
 def unembed(params: Params, config: ModelConfig, x: jnp.ndarray) -> jnp.ndarray:
   """Final norm + LM head: x `[..., D]` -> fp32 logits `[..., V]`."""
   h = rms_norm(x, params["final_norm"], config.rms_norm_eps)
-  w = params["embed"].T if config.tie_word_embeddings else params["lm_head"]
-  return (h @ w).astype(jnp.float32)
+  if config.tie_word_embeddings:
+    # contract against embed [V, D] directly: an explicit `.T` is a 4*V*D-byte copy that XLA
+    # does not hoist out of the decode while_loop.
+    return jnp.einsum("...d,vd->...v", h, params["embed"]).astype(jnp.float32)
+  return (h @ params["lm_head"]).astype(jnp.float32)
 
 
 def forward(params: Params, tokens: jnp.ndarray, *, config: ModelConfig,

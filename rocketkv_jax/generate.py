@@ -25,7 +25,9 @@ Decisions where the issue is silent:
   * Stats: `kv_tokens_kept` is the number of valid cache slots per layer after prefill (stage 1),
     `kv_tokens_read` the tokens attended per decode step (top-k for sparse methods, else the
     whole valid cache), and `compression_ratio` = (prompt + new tokens) / kv_tokens_read.
-    Times are wall-clock with compilation reported separately (`compile_s`).
+    Times are wall-clock with compilation reported separately (`compile_s`). `kv_cache_bytes` is
+    the size of every layer's KV state; `peak_bytes` XLA's memory estimate (arguments + outputs +
+    temporaries) of the larger of the two compiled programs.
 """
 
 from __future__ import annotations
@@ -132,6 +134,20 @@ def _decode_fn(params, cache, first, lengths, key, temperature, top_p, eos, *, c
 
 
 _COMPILED: dict[Any, Any] = {}
+
+
+def _peak_bytes(exe) -> int:
+  """XLA's estimate of the memory one compiled program needs (arguments + outputs + temps)."""
+  try:
+    m = exe.memory_analysis()
+  except Exception:  # pylint: disable=broad-except
+    return 0
+  if m is None:
+    return 0
+  peak = getattr(m, "peak_memory_in_bytes", 0) or 0
+  total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+           - m.alias_size_in_bytes)
+  return int(max(peak, total))
 
 
 def _compiled(name, fn, static, donate, args):
@@ -259,7 +275,8 @@ def generate(
   first.block_until_ready()
   prefill_s = time.perf_counter() - t0
   kept_cache = cache[0].view if isinstance(cache[0], rocketkv.MTState) else cache[0]
-  kv_kept = int(np.asarray(kept_cache.length)[0].max())
+  kv_kept = int(np.asarray(kept_cache.length).max())
+  kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
 
   dec_args = (model.params, cache, first, lengths_j, key, temp, tp, eos)
   dec_exe, dec_compile = _compiled(
@@ -296,7 +313,7 @@ def generate(
     text = [model.tokenizer.decode(t) for t in result_tokens]
 
   new = max(len(t) for t in result_tokens)
-  read = plan.top_k if plan.top_k else kv_kept + steps
+  read = min(plan.top_k, kv_kept + steps) if plan.top_k else kv_kept + steps
   stats = dict(
       method=plan.method, token_budget=plan.token_budget, batch=len(ids),
       prompt_lengths=lengths.tolist(), new_tokens=[len(t) for t in result_tokens],
@@ -306,6 +323,7 @@ def generate(
       compile_s=pre_compile + dec_compile,
       kv_tokens_full=length + new, kv_tokens_kept=kv_kept, kv_tokens_read=int(read),
       compression_ratio=(length + new) / max(int(read), 1),
-      capacity=plan.capacity, plan=plan,
+      capacity=plan.capacity, plan=plan, kv_cache_bytes=int(kv_bytes),
+      peak_bytes=max(_peak_bytes(pre_exe), _peak_bytes(dec_exe)),
   )
   return GenerationResult(tokens=result_tokens, text=text, stats=stats)

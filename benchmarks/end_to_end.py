@@ -1,0 +1,143 @@
+"""End-to-end benchmark: SmolLM2-135M (fp32) prefill and decode, full KV vs RocketKV, with
+transformers (PyTorch CPU, full KV) on the same prompt as the outside reference.
+
+    python benchmarks/end_to_end.py                       # 2K, 4K, 8K prompts
+    python benchmarks/end_to_end.py --lengths 2048,4096 --out benchmarks/end_to_end_results.md
+
+For each prompt length: our full KV, RocketKV at each budget, then transformers in a
+subprocess (so its peak RSS is its own). Reported:
+  * prefill s: the prompt pass (ours: after compilation, which is listed separately).
+  * decode ms/tok: mean over `--new-tokens` greedy steps (EOS ignored).
+  * KV MB: the KV cache kept for decoding (ours: every layer's state incl. metadata;
+    transformers: its DynamicCache at the end).
+  * peak MB: ours = XLA's estimate for the larger compiled program (params + cache + temps);
+    transformers = the worker process's peak RSS (includes the Python/torch runtime).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _prompt_ids(tokenizer, n: int) -> list[int]:
+  sys.path.insert(0, os.path.join(_HERE, "..", "examples"))
+  from generate import demo_prompt  # examples/generate.py
+
+  ids: list[int] = []
+  paragraphs = 60
+  while len(ids) < n:
+    ids = tokenizer.encode(demo_prompt(paragraphs))
+    paragraphs *= 2
+  return ids[:n]
+
+
+def _hf_worker(n: int, new_tokens: int) -> None:
+  """Runs in a subprocess: transformers prefill + decode on the same ids, prints JSON."""
+  import torch
+  from transformers import AutoModelForCausalLM
+
+  import rocketkv_jax as rocketkv
+
+  torch.set_num_threads(os.cpu_count() or 1)
+  path = rocketkv.models.smollm2_path()
+  from rocketkv_jax.models import gguf_loader  # our tokenizer only, not our weights
+  from rocketkv_jax.models.tokenizer import Tokenizer
+
+  meta = gguf_loader.read_metadata(gguf_loader.open_gguf(path))
+  ids = _prompt_ids(Tokenizer.from_gguf_fields(meta), n)
+  directory, name = os.path.split(path)
+  model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+                                               dtype=torch.float32).eval()
+  with torch.no_grad():
+    x = torch.tensor([ids])
+    t0 = time.perf_counter()
+    out = model(x, use_cache=True)
+    prefill = time.perf_counter() - t0
+    past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    t0 = time.perf_counter()
+    for _ in range(new_tokens - 1):
+      out = model(nxt, past_key_values=past, use_cache=True)
+      past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    decode = (time.perf_counter() - t0) / max(new_tokens - 1, 1)
+  kv = sum(t.nbytes for layer in past.layers for t in (layer.keys, layer.values))
+  print(json.dumps(dict(prefill_s=prefill, decode_ms=decode * 1e3, kv_mb=kv / 2**20,
+                        peak_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                        tokens=len(ids))))
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--lengths", default="2048,4096,8192")
+  p.add_argument("--budgets", default="128,256,512")
+  p.add_argument("--new-tokens", type=int, default=32)
+  p.add_argument("--no-transformers", action="store_true")
+  p.add_argument("--out", default=None, help="also write the markdown table here")
+  p.add_argument("--hf-worker", type=int, default=None, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.hf_worker is not None:
+    return _hf_worker(args.hf_worker, args.new_tokens)
+
+  import jax
+  import jax.numpy as jnp
+
+  import rocketkv_jax as rocketkv
+
+  t0 = time.perf_counter()
+  model = rocketkv.models.load(rocketkv.models.smollm2_path(), dtype=jnp.float32)
+  print(f"# loaded SmolLM2-135M in {time.perf_counter() - t0:.1f}s; jax {jax.__version__}, "
+        f"{jax.devices()[0].platform}, {os.cpu_count()} CPU cores", flush=True)
+  rows = []
+  header = ("| prompt | system | method | budget | prefill s | decode ms/tok | KV kept (tokens) "
+            "| KV MB | peak MB | compile s |")
+  sep = "|" + "---|" * 10
+  print(header + "\n" + sep, flush=True)
+  for n in [int(x) for x in args.lengths.split(",")]:
+    ids = _prompt_ids(model.tokenizer, n)
+    runs = [("full", 0)] + [("rocketkv", int(b)) for b in args.budgets.split(",")]
+    for method, budget in runs:
+      res = rocketkv.generate(model, [ids], method=method, token_budget=budget or 256,
+                              max_new_tokens=args.new_tokens, eos_token_ids=())
+      s = res.stats
+      row = (f"| {n} | rocketkv-jax | {method} | {budget or '-'} | {s['prefill_s']:.2f} "
+             f"| {s['decode_ms_per_token']:.1f} | {s['kv_tokens_kept']} "
+             f"| {s['kv_cache_bytes'] / 2**20:.1f} | {s['peak_bytes'] / 2**20:.0f} "
+             f"| {s['compile_s']:.1f} |")
+      rows.append(row)
+      print(row, flush=True)
+    if not args.no_transformers:
+      out = subprocess.run([sys.executable, os.path.abspath(__file__), "--hf-worker", str(n),
+                            "--new-tokens", str(args.new_tokens)],
+                           capture_output=True, text=True, check=True)
+      hf = json.loads(out.stdout.strip().splitlines()[-1])
+      row = (f"| {n} | transformers {_hf_version()} | full | - | {hf['prefill_s']:.2f} "
+             f"| {hf['decode_ms']:.1f} | {n} | {hf['kv_mb']:.1f} | {hf['peak_mb']:.0f} (RSS) "
+             f"| - |")
+      rows.append(row)
+      print(row, flush=True)
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write("# End-to-end benchmark (benchmarks/end_to_end.py)\n\n")
+      f.write(f"SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32), greedy, "
+              f"{args.new_tokens} new tokens, batch 1, {os.cpu_count()} CPU cores.\n\n")
+      f.write(header + "\n" + sep + "\n" + "\n".join(rows) + "\n")
+
+
+def _hf_version() -> str:
+  try:
+    import importlib.metadata as md
+
+    return md.version("transformers")
+  except Exception:  # pylint: disable=broad-except
+    return ""
+
+
+if __name__ == "__main__":
+  main()
