@@ -16,7 +16,9 @@ Multi-turn ("multiturn" in tasks): batch 1, three questions on one context, for 
 `multiturn_methods` among full / rocketkv / rocketkv_mt:
   * full: the whole conversation is kept (plan sized for every turn).
   * rocketkv: stage 1 ran once, with the first question's window; later turn prompts are run
-    densely over the compressed cache and appended (`rocketkv.extend`), no re-prefill.
+    densely over the compressed cache and appended (`rocketkv.extend`), no re-prefill. Its
+    per-turn split (top_k, chunk_size, r) is the one rocketkv_mt uses for that turn, so the
+    two differ only in whether stage 1 is re-run.
   * rocketkv_mt: the full cache is kept; later turn prompts are run densely over it and
     `rocketkv.begin_turn` re-runs stage 1 with that turn's window queries.
 Each turn's answer is scored on its own (task names multiturn_t1, multiturn_t2, ...).
@@ -58,6 +60,7 @@ class SweepConfig:
   datasets: tuple | None = None
   multiturn_methods: tuple = MT_METHODS
   turn_pad: int = 64
+  turns: int = 3  # multi-turn: questions answered in turn (at most 3)
 
   def __post_init__(self):
     for m in self.methods + self.multiturn_methods:
@@ -93,9 +96,10 @@ def _configs(cfg: SweepConfig, methods=None):
   return out
 
 
-def _record(sample, method, budget, prediction, score, turn=None, task=None):
+def _record(sample, method, budget, tokens, prediction, score, turn=None, task=None):
   r = dict(task=task or sample.task, context_len=sample.context_len, index=sample.index,
-           method=method, budget=budget, prediction=prediction, answers=list(sample.answers),
+           method=method, budget=budget, tokens=[int(t) for t in tokens], prediction=prediction,
+           answers=list(sample.answers),
            score=float(score), prompt_tokens=int(sample.meta.get("prompt_tokens", 0)))
   if "depth" in sample.meta:
     r["depth"] = float(sample.meta["depth"])
@@ -112,6 +116,13 @@ def _plan_dict(plan) -> dict:
 @jax.jit
 def _extend_all(states, kt, vt, tl):
   return [rocketkv.extend(s, kt[i], vt[i], tl) for i, s in enumerate(states)]
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "chunk_size"))
+def _grow_all(states, *, capacity, chunk_size):
+  from rocketkv_jax.cache import grow
+
+  return [grow(s, capacity, chunk_size=chunk_size) for s in states]
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))
@@ -162,7 +173,7 @@ def build_samples(model, cfg: SweepConfig) -> dict:
   for length in cfg.context_lengths:
     for task in cfg.tasks:
       mn = _max_new(cfg, task)
-      p = _padded_len(model, length, mn + (2 * (cfg.turn_pad + mn)
+      p = _padded_len(model, length, mn + ((cfg.turns - 1) * (cfg.turn_pad + mn)
                                             if task == tasks_lib.MULTITURN_TASK else 0))
       ss = [tasks_lib.make_sample(tok, task, length, i, cfg.seed, target_tokens=p)
             for i in range(cfg.samples)]
@@ -224,12 +235,12 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True) -> dict[str, An
       for method, budget in _configs(cfg):
         t0 = time.perf_counter()
         b = budget if budget is not None else max(cfg.budgets)
-        out, _, _, _ = runner.decode(pp, method, b, mn)
+        got, _, _, _ = runner.decode(pp, method, b, mn)
         timing["decode_s"] += time.perf_counter() - t0
         plans[f"{method}/{budget}/{p}+{mn}"] = _plan_dict(runner.plan(method, b, p, mn))
-        for s, row in zip(batch, out):
+        for s, row in zip(batch, got):
           pred = tok.decode(row)
-          records.append(_record(s, method, budget, pred, tasks_lib.score(
+          records.append(_record(s, method, budget, row, pred, tasks_lib.score(
               s.metric, pred, s.answers, all_classes=s.meta.get("all_classes", ()))))
         bar.update(1, f"{task}@{length} {method}/{budget}")
   bar.close()
@@ -238,7 +249,7 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True) -> dict[str, An
 
 
 def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
-  turns = 1 + max(len(s.questions) for s in ss)
+  turns = min(cfg.turns, 1 + min(len(s.questions) for s in ss))
   tpad = cfg.turn_pad
   rest = (turns - 1) * (tpad + mn) + mn  # tokens after the first prompt, upper bound
   eos = set(runner.eos_token_ids)
@@ -257,10 +268,11 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
       t0 = time.perf_counter()
       b = budget if budget is not None else max(cfg.budgets)
       mt = method == "rocketkv_mt"
-      plan = runner.plan(method, b, p, mn if mt else rest)
-      plans[f"multiturn/{method}/{budget}/{p}+{mn if mt else rest}"] = _plan_dict(plan)
+      per_turn = method in ("rocketkv", "rocketkv_mt")  # same split per turn for both
+      plan = runner.plan(method, b, p, mn if per_turn else rest)
+      plans[f"multiturn/{method}/{budget}/{p}+{plan.max_new_tokens}"] = _plan_dict(plan)
       got, out, steps, cache = runner.decode(pp, method, b, mn, keep_cache=True,
-                                             max_new_for_plan=mn if mt else rest)
+                                             max_new_for_plan=plan.max_new_tokens)
       answers = [s.answers] + list(s.turn_answers)
       for t in range(turns):
         if t > 0:
@@ -282,12 +294,19 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
           else:
             first, kt, vt, qw = runner.turn_prefill(states, tt, tl)
             tplan = plan
+            if per_turn:
+              # rocketkv: no stage 1 again; the cache grows and the turn's split (top_k,
+              # chunk_size, r) is the one rocketkv_mt uses for this turn.
+              tplan = runner.plan(method, b, p + t * (tpad + mn), mn)
+              plans[f"multiturn/{method}/{budget}/turn{t + 1}"] = _plan_dict(tplan)
+              cap = max(tplan.capacity, states[0].capacity + tpad + mn)
+              states = _grow_all(states, capacity=cap, chunk_size=tplan.chunk_size)
             states = _extend_all(states, kt, vt, jax.numpy.asarray(tl))
             seen = states[0].seen
           got, out, steps, cache = runner.continue_decode(
               as_cache(runner.model.params, states), first, seen, tplan, mn)
         pred = tok.decode(got[0])
-        records.append(_record(s, method, budget, pred,
+        records.append(_record(s, method, budget, got[0], pred,
                                tasks_lib.score("contains", pred, answers[t]), turn=t + 1,
                                task=f"multiturn_t{t + 1}") | dict(answers=list(answers[t])))
       timing["decode_s"] += time.perf_counter() - t0

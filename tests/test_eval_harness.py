@@ -1,0 +1,91 @@
+"""Evaluation harness end to end on a tiny random Llama (byte tokenizer): JSON / table
+produced, identical re-runs, the runner's tokens equal `rocketkv.generate`'s (per method and
+inside the sweep for full KV), and multi-turn (full == generate on the whole transcript)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import rocketkv_jax as rocketkv
+from eval_fixtures import tiny_model
+from rocketkv_jax.eval import harness, report, tasks
+from rocketkv_jax.eval.runner import Runner
+
+CFG = harness.SweepConfig(tasks=("passkey",), context_lengths=(768,), methods=("full", "rocketkv"),
+                          budgets=(64,), samples=2, batch_size=2, max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def sweep():
+  return harness.run_sweep(tiny_model(), CFG, progress=False)
+
+
+def test_sweep_writes_json_table_plots_and_is_reproducible(sweep, tmp_path):
+  recs = sweep["records"]
+  assert len(recs) == 4
+  assert {(r["method"], r["budget"]) for r in recs} == {("full", None), ("rocketkv", 64)}
+  assert all(len(r["tokens"]) <= 6 and 0.0 <= r["score"] <= 1.0 for r in recs)
+  assert sweep["config"]["budgets"] == [64] or sweep["config"]["budgets"] == (64,)
+  assert any(k.startswith("rocketkv/64/") for k in sweep["plans"])
+  paths = report.write_all(sweep, str(tmp_path))
+  with open(paths["json"]) as f:
+    saved = json.load(f)
+  assert saved["records"] == json.loads(json.dumps(recs))
+  md = open(paths["markdown"]).read()
+  assert "| 768 | full |" in md and "| 768 | rocketkv |" in md
+  assert os.path.getsize(paths["accuracy"]) > 0 and os.path.getsize(paths["heatmap"]) > 0
+  again = harness.run_sweep(tiny_model(), CFG, progress=False)
+  assert again["records"] == recs
+
+
+def test_full_kv_sweep_equals_generate(sweep):
+  """The sweep's full-KV predictions and scores equal those from `rocketkv.generate` tokens."""
+  model = tiny_model()
+  samples = [tasks.make_sample(model.tokenizer, "passkey", 768, i, CFG.seed, target_tokens=768)
+             for i in range(CFG.samples)]
+  ids = [tasks.chat_ids(model.tokenizer, s.prompt) for s in samples]
+  gen = rocketkv.generate(model, ids, method="full", max_new_tokens=6, eos_token_ids=(2,))
+  full = sorted((r for r in sweep["records"] if r["method"] == "full"), key=lambda r: r["index"])
+  for s, r, toks in zip(samples, full, gen.tokens):
+    assert r["tokens"] == toks
+    pred = model.tokenizer.decode(toks)
+    assert r["prediction"] == pred and r["score"] == tasks.score("contains", pred, s.answers)
+
+
+@pytest.mark.parametrize("method", ["rocketkv"])
+def test_runner_tokens_equal_generate(method):
+  """Same padded length as generate (the longest prompt): identical greedy tokens."""
+  model = tiny_model()
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(3, 256, size=n).tolist() for n in (48, 35)]
+  tokens = np.zeros((2, 48), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  runner = Runner(model, eos_token_ids=())
+  pp = runner.prompt_pass(tokens, [48, 35])
+  got, _, _, _ = runner.decode(pp, method, 32, 8)
+  ref = rocketkv.generate(model, prompts, method=method, token_budget=32, max_new_tokens=8,
+                          eos_token_ids=())
+  assert got == ref.tokens
+
+
+def test_multiturn_scored_per_turn_and_full_matches_generate():
+  model = tiny_model()
+  cfg = harness.SweepConfig(tasks=("multiturn",), context_lengths=(1024,), budgets=(64,),
+                            samples=1, max_new_tokens=5, turn_pad=128, turns=2)
+  res = harness.run_sweep(model, cfg, progress=False)
+  recs = res["records"]
+  assert {(r["task"], r["method"]) for r in recs} == {
+      (f"multiturn_t{t}", m) for t in (1, 2) for m in ("full", "rocketkv", "rocketkv_mt")}
+  # Full KV turn 2 == generate over (turn-1 prompt + turn-1 answer + turn-2 prompt).
+  s = tasks.make_sample(model.tokenizer, "multiturn", 1024, 0, 0,
+                        target_tokens=harness._padded_len(model, 1024, 5 + 1 * (128 + 5)))
+  by = {(r["task"], r["method"]): r for r in recs}
+  conv = tasks.chat_ids(model.tokenizer, s.prompt) + by[("multiturn_t1", "full")]["tokens"]
+  conv += model.tokenizer.encode(harness._turn_text(model.tokenizer, s.questions[0]))
+  ref = rocketkv.generate(model, [conv], method="full", max_new_tokens=5, eos_token_ids=(2,))
+  assert by[("multiturn_t2", "full")]["tokens"] == ref.tokens[0]
+  # Turn 1 of rocketkv and rocketkv_mt is the same computation (stage 1 from question 1).
+  assert by[("multiturn_t1", "rocketkv")]["tokens"] == by[("multiturn_t1", "rocketkv_mt")]["tokens"]

@@ -1,0 +1,152 @@
+"""Evaluation harness, no model: task generators (seeded, answers recoverable from the prompt,
+token targets), metrics against hand-computed values, the LongBench-format loader, reports."""
+
+import collections
+import os
+
+import pytest
+
+from eval_fixtures import ByteTokenizer
+from rocketkv_jax.eval import longbench, metrics, report, tasks
+
+TOK = ByteTokenizer()
+DATA = os.path.join(os.path.dirname(__file__), "data", "longbench")
+
+
+@pytest.mark.parametrize("task", tasks.TASKS + (tasks.MULTITURN_TASK,))
+def test_generators_are_seeded_and_fit_the_target(task):
+  a = tasks.make_sample(TOK, task, 1500, 3, seed=11)
+  b = tasks.make_sample(TOK, task, 1500, 3, seed=11)
+  c = tasks.make_sample(TOK, task, 1500, 4, seed=11)
+  d = tasks.make_sample(TOK, task, 1500, 3, seed=12)
+  assert a == b
+  assert a.prompt != c.prompt and a.prompt != d.prompt
+  n = len(tasks.chat_ids(TOK, a.prompt))
+  slack = 300 if task == "cwe" else 120  # cwe grows in rounds of 20 listed words
+  assert n == a.meta["prompt_tokens"] and 1500 - slack <= n <= 1500
+  assert a.prompt in TOK.apply_chat_template([{"role": "user", "content": a.prompt}])
+
+
+@pytest.mark.parametrize("task", tasks.TASKS + (tasks.MULTITURN_TASK,))
+def test_answers_are_recoverable_from_the_prompt(task):
+  for i in range(3):
+    s = tasks.make_sample(TOK, task, 1500, i)
+    p = s.prompt
+    if task == "cwe":
+      items = [tok for tok in p.split("\n")[1].split(" ") if tok.isalpha()]
+      counts = collections.Counter(items)
+      top = [w for w, _ in counts.most_common(5)]
+      assert sorted(top) == sorted(s.answers)
+      assert min(counts[w] for w in s.answers) > max(
+          c for w, c in counts.items() if w not in s.answers)
+    elif task == "vt":
+      v = s.meta["value"]
+      assert f"VAR {s.answers[0]} = {v}." in p
+      for x, y in zip(s.answers, s.answers[1:]):
+        assert f"VAR {y} = VAR {x}." in p
+    elif task == "multiturn":
+      for k, ans in zip(s.meta["keys"], [s.answers] + s.turn_answers):
+        assert f"for {k} is: {ans[0]}." in p
+      assert len(s.questions) == 2 and s.meta["keys"][1] in s.questions[0]
+    else:
+      for ans in s.answers:
+        assert ans in p
+      assert tasks.score(s.metric, f"... {' '.join(s.answers)} ...", s.answers) == 1.0
+    if task in ("passkey", "niah_single", "niah_multikey"):
+      needle = (f"The pass key is {s.answers[0]}" if task == "passkey"
+                else f"for {s.meta['key']} is: {s.answers[0]}")
+      body_start = p.index("\n\n") + 2
+      body_end = p.rindex("\n\n")
+      frac = (p.index(needle) - body_start) / (body_end - body_start)
+      tol = 0.3 if task == "niah_multikey" else 0.1  # distractor needles shift it
+      assert abs(frac - s.meta["depth"]) < tol, (frac, s.meta["depth"])
+
+
+def test_passkey_depth_grid_and_bad_task():
+  depths = [tasks.make_sample(TOK, "passkey", 800, i).meta["depth"] for i in range(5)]
+  assert depths == list(tasks.NIAH_DEPTHS)
+  with pytest.raises(ValueError, match="task must be one of"):
+    tasks.make_sample(TOK, "nope", 800, 0)
+  with pytest.raises(ValueError, match="too short"):
+    tasks.make_sample(TOK, "niah_multiquery", 300, 0)
+
+
+def test_synthetic_scores():
+  assert tasks.score("contains", "The number is 1234567.", ["1234567"]) == 1.0
+  assert tasks.score("contains", "The number is 123456.", ["1234567"]) == 0.0
+  assert tasks.score("recall", "11, 22 and 44", ["11", "22", "33", "44"]) == 0.75
+  assert tasks.score("recall", "ABCDE", ["abcde", "fghij"]) == 0.5
+
+
+def test_metrics_hand_computed():
+  assert metrics.normalize("The  Marlow, town!") == "marlow town"
+  assert metrics.qa_f1("The Marlow town", "Marlow") == pytest.approx(2 / 3)
+  assert metrics.score("qa_f1", "Anna", ["Anna Holt", "Holt"]) == pytest.approx(2 / 3)
+  assert metrics.qa_f1("an apple", "the apple") == 1.0
+  assert metrics.qa_f1("", "x") == 0.0
+  assert metrics.rouge_l("the cat sat on the mat", "the cat lay on the mat") == pytest.approx(5 / 6)
+  assert metrics.rouge_l("a b c d", "b d") == pytest.approx(2 / 3)
+  assert metrics.rouge_l("x y", "z") == 0.0
+  classes = ["Individual", "Distance", "City", "Country"]
+  assert metrics.score("classification", "It is a City", ["City"], classes) == 1.0
+  assert metrics.score("classification", "City or Country", ["City"], classes) == 0.5
+  assert metrics.score("classification", "Country", ["City"], classes) == 0.0
+  assert metrics.levenshtein("kitten", "sitting") == 3
+  assert metrics.edit_similarity("kitten", "sitting") == pytest.approx(4 / 7)
+  assert metrics.score("code_sim", "# comment\n    return a * b\n", ["    return a * b"]) == 1.0
+  assert metrics.code_sim("return a+b", "return a*b") == pytest.approx(0.9)
+  assert metrics.score("count", "There are 2 unique ones", ["2"]) == 1.0
+  assert metrics.score("count", "12", ["2"]) == 0.0
+  assert metrics.score("retrieval", "Paragraph 3", ["Paragraph 3"]) == 1.0
+  assert metrics.score("retrieval", "Paragraph 13", ["Paragraph 3"]) == 0.0
+  assert tasks.score("qa_f1", "Marlow", ["Marlow"]) == 1.0
+  with pytest.raises(ValueError, match="metric must be one of"):
+    metrics.score("bleu", "a", ["a"])
+
+
+def test_longbench_loader():
+  names = longbench.datasets_in(DATA)
+  assert names == ["gov_report", "hotpotqa", "lcc", "passage_count", "trec"]
+  ss = longbench.load_samples(TOK, DATA, 1024)
+  by = collections.defaultdict(list)
+  for s in ss:
+    by[s.task].append(s)
+  assert len(by["lb_hotpotqa"]) == 2 and by["lb_hotpotqa"][1].answers == ["Anna Holt", "Holt"]
+  assert {s.metric for s in ss} == {"qa_f1", "rouge_l", "code_sim", "count", "classification"}
+  trec = by["lb_trec"][0]
+  assert trec.meta["all_classes"] == ["Individual", "Distance", "City", "Country"]
+  assert "What is the capital of Norway?" in trec.prompt and "Where is Lima?" in trec.prompt
+  assert by["lb_lcc"][0].prompt.endswith("def mul(a, b):\n")
+  # middle truncation keeps the head and the question
+  short = longbench.load_samples(TOK, DATA, 200, datasets=["hotpotqa"], max_samples=1)[0]
+  assert short.meta["prompt_tokens"] <= 200 and "\n...\n" in short.prompt
+  assert short.prompt.startswith("Read the text below") and "Which city" in short.prompt
+
+
+def _fake_results():
+  recs = []
+  for length in (1000, 2000):
+    for i, depth in enumerate((0.0, 0.5)):
+      for m, b, sc in (("full", None, 1.0), ("rocketkv", 64, 0.0), ("rocketkv", 128, 1.0),
+                       ("snapkv", 64, 0.0), ("snapkv", 128, 0.0)):
+        recs.append(dict(task="passkey", context_len=length, index=i, method=m, budget=b,
+                         tokens=[], prediction="", answers=["1"], score=sc, depth=depth))
+        recs.append(dict(task="vt", context_len=length, index=i, method=m, budget=b,
+                         tokens=[], prediction="", answers=["1"], score=sc / 2))
+  return dict(config=dict(model=dict(source="m"), seed=0, samples=2), records=recs,
+              timing=dict(total_s=1.0))
+
+
+def test_report_tables_and_plots(tmp_path):
+  res = _fake_results()
+  agg = report.aggregate(res["records"])
+  assert agg[("passkey", 1000, "rocketkv", 128)] == (100.0, 2)
+  assert agg[("vt", 2000, "full", None)] == (50.0, 2)
+  md = report.markdown(res)
+  assert "| 1000 | full | 100.0 | 100.0 | 2 |" in md          # full repeated per budget
+  assert "| 2000 | rocketkv | 0.0 | 100.0 | 2 |" in md
+  assert "| 1000 | rocketkv | 0.0 | 75.0 |" in md              # mean over passkey + vt
+  paths = report.write_all(res, str(tmp_path), "r")
+  for k in ("json", "markdown", "accuracy", "heatmap"):
+    assert os.path.getsize(paths[k]) > 0
+  assert report.load_json(paths["json"]) == res
