@@ -1,8 +1,8 @@
 """One decode step of one attention layer: full attention vs `rocketkv.decode_step`.
 
 Llama-3.1-8B attention shapes (Hq 32, Hkv 8, D 128), batch 1. For each (dtype, context,
-budget): the median per-step time of the dense full-attention step and of RocketKV's
-`decode_step`, measured side by side in one run, their ratio, the bytes each reads per step, and
+budget): the median per-step time of the dense full-attention step (measured once per context,
+right before that context's budgets) and of RocketKV's `decode_step`, side by side in one run, their ratio, the bytes each reads per step, and
 each one's bandwidth floor: the time of a measured read-only pass (a jitted sum) over the same
 number of bytes.
 
@@ -89,44 +89,42 @@ def _read_pass_time(nbytes, dtype, repeats):
   return _median_time(f, (x,), repeats)
 
 
-def bench(context, budget, dtype, repeats, seed=0):
-  key = jax.random.PRNGKey(seed)
-  k1, k2, k3 = jax.random.split(key, 3)
-  new = 1
-  prompt = context - new
-  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=budget), prompt, 100, D)
-  item = jnp.dtype(dtype).itemsize
+def _inputs(dtype, seed=0):
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
   q = jax.random.normal(k1, (1, HQ, D), dtype)
   kn = jax.random.normal(k2, (1, HKV, 1, D), dtype)
   vn = jax.random.normal(k3, (1, HKV, 1, D), dtype)
+  return q, kn, vn
 
-  # Dense: a cache of `context` slots holding `prompt` tokens.
+
+def bench_dense(context, dtype, repeats):
+  """Median ms of the dense step over a cache of `context` slots, and its floor."""
+  q, kn, vn = _inputs(dtype)
+  k1, k2 = jax.random.split(jax.random.PRNGKey(1))
   kf = jax.random.normal(k1, (1, HKV, context, D), dtype)
   vf = jax.random.normal(k2, (1, HKV, context, D), dtype)
-  t_full = _median_time(dense_step, (q, kn, vn, (kf, vf), jnp.int32(prompt)), repeats, donate_idx=3)
-  del kf, vf
+  t = _median_time(dense_step, (q, kn, vn, (kf, vf), jnp.int32(context - 1)), repeats,
+                   donate_idx=3)
+  nbytes = 2 * HKV * context * D * jnp.dtype(dtype).itemsize
+  return t, nbytes, _read_pass_time(nbytes, dtype, repeats)
 
-  # RocketKV: the stage-1 cache (capacity slots, prompt_budget of them full).
+
+def bench_rocketkv(context, budget, dtype, repeats):
+  """Median ms of `rocketkv.decode_step` on the stage-1 cache planned for `context`."""
+  q, kn, vn = _inputs(dtype)
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=budget), context - 100, 100, D)
+  k1, k2 = jax.random.split(jax.random.PRNGKey(2))
   kc = jax.random.normal(k1, (1, HKV, plan.prompt_budget, D), dtype)
   vc = jax.random.normal(k2, (1, HKV, plan.prompt_budget, D), dtype)
   cache = rocketkv.full_cache(kc, vc, plan.capacity, plan.chunk_size)
   step = jax.jit(lambda q, kn, vn, c: rocketkv.decode_step(q, kn, vn, c, plan),
                  donate_argnums=3)
-  # Keep the cache from filling up during the repeats: reset length each call is not
-  # possible with donation, so size the plan with 100 free slots (repeats < 100).
-  t_rkv = _median_time(step, (q, kn, vn, cache), min(repeats, 90), donate_idx=3)
-
-  bytes_full = 2 * HKV * context * D * item
-  nc = -(-plan.prompt_budget // plan.chunk_size)
-  bytes_rkv = (2 * HKV * nc * plan.r + 2 * HKV * plan.top_k * D) * item
-  floor_full = _read_pass_time(bytes_full, dtype, repeats)
-  floor_rkv = _read_pass_time(bytes_rkv, dtype, repeats)
-  return dict(dtype=jnp.dtype(dtype).name, context=context, budget=budget,
-              full_ms=t_full * 1e3, rkv_ms=t_rkv * 1e3, speedup=t_full / t_rkv,
-              full_mb=bytes_full / 2**20, rkv_mb=bytes_rkv / 2**20,
-              full_floor_ms=floor_full * 1e3, rkv_floor_ms=floor_rkv * 1e3,
-              rkv_vs_floor=t_rkv / floor_rkv, capacity=plan.capacity, chunk=plan.chunk_size,
-              r=plan.r, top_k=plan.top_k)
+  # The plan leaves 100 free slots, so the repeats never fill the cache.
+  t = _median_time(step, (q, kn, vn, cache), min(repeats, 90), donate_idx=3)
+  item = jnp.dtype(dtype).itemsize
+  # Bytes the step must read: kmin and kmax on r dims of every chunk + top_k K and V rows.
+  nbytes = (2 * HKV * plan.num_chunks * plan.r + 2 * HKV * plan.top_k * D) * item
+  return t, nbytes, _read_pass_time(nbytes, dtype, repeats), plan
 
 
 def main():
@@ -141,14 +139,15 @@ def main():
         "| full MiB | rkv MiB | full floor ms | rkv floor ms | rkv / floor |")
   print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   for dt in args.dtypes:
+    dtype = jnp.dtype(dt)
     for ctx in args.contexts:
+      t_full, b_full, f_full = bench_dense(ctx, dtype, args.repeats)
       for b in args.budgets:
-        r = bench(ctx, b, jnp.dtype(dt), args.repeats)
-        print(f"| {r['dtype']} | {ctx // 1024}K | {b} | {r['capacity']} / {r['chunk']} / "
-              f"{r['r']} / {r['top_k']} | {r['full_ms']:.2f} | {r['rkv_ms']:.3f} | "
-              f"{r['speedup']:.1f}x | {r['full_mb']:.0f} | {r['rkv_mb']:.2f} | "
-              f"{r['full_floor_ms']:.2f} | {r['rkv_floor_ms']:.3f} | {r['rkv_vs_floor']:.1f}x |",
-              flush=True)
+        t_rkv, b_rkv, f_rkv, p = bench_rocketkv(ctx, b, dtype, args.repeats)
+        print(f"| {dtype.name} | {ctx // 1024}K | {b} | {p.capacity} / {p.chunk_size} / {p.r} / "
+              f"{p.top_k} | {t_full * 1e3:.1f} | {t_rkv * 1e3:.2f} | {t_full / t_rkv:.0f}x | "
+              f"{b_full / 2**20:.0f} | {b_rkv / 2**20:.2f} | {f_full * 1e3:.1f} | "
+              f"{f_rkv * 1e3:.3f} | {t_rkv / f_rkv:.0f}x |", flush=True)
 
 
 if __name__ == "__main__":

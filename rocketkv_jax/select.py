@@ -6,7 +6,7 @@ RocketKV's hybrid approximation, per KV head (G query heads in its group):
    score each chunk as q_r . k_bound_r for every query head;
 3. softmax over valid chunks per head with scale 1 / sqrt(D * sum|q_r| / sum|q|) (SparQ's
    temperature correction), sum over the group;
-4. every slot takes its chunk's score; the `top_k` best valid slots are selected.
+4. every slot takes its chunk's score; the `top_k` best valid slots are selected (`top_slots`).
 
 The other methods plug their own scores into the same top-k (see `METHODS` in config.py).
 """
@@ -96,11 +96,41 @@ def exact_slot_scores_xla(q: jax.Array, k: jax.Array, valid: jax.Array) -> jax.A
   return _group_softmax_sum(logits, valid)
 
 
-def _slot_scores(chunk_scores: jax.Array, chunk_size: int, capacity: int) -> jax.Array:
-  """[B, Hkv, NC] -> [B, Hkv, C]: each slot takes its chunk's score."""
+def top_slots(chunk_scores: jax.Array, valid: jax.Array, chunk_size: int, k: int) -> jax.Array:
+  """The k best valid slots when every slot takes its chunk's score.
+
+  Equivalent to a top-k over per-slot scores (ties to the lower slot), but the top-k runs over
+  chunks: the best ceil(k / chunk_size) + 1 chunks with a valid slot always hold the k best valid
+  slots (only one chunk can be partly valid), and the first k valid slots among them, in chunk-
+  score order, are kept. On CPU this is ~4x faster than a slot-level top-k at large budgets.
+
+  Args:
+    chunk_scores: [B, Hkv, NC] scores.
+    valid: [B, Hkv, C] bool, C <= NC * chunk_size.
+    chunk_size: slots per chunk.
+    k: slots to select, <= C.
+  Returns:
+    int32 [B, Hkv, k], no slot twice. When fewer than k slots are valid, the rest of the row
+    holds distinct invalid slots (possibly >= C: `attend` masks those too).
+  """
   b, h, nc = chunk_scores.shape
-  rep = jnp.broadcast_to(chunk_scores[..., None], (b, h, nc, chunk_size))
-  return rep.reshape(b, h, nc * chunk_size)[:, :, :capacity]
+  c = valid.shape[-1]
+  pad = nc * chunk_size - c
+  valid_p = jnp.pad(valid, ((0, 0), (0, 0), (0, pad)))
+  chunk_ok = jnp.any(valid_p.reshape(b, h, nc, chunk_size), axis=-1)
+  kc = min(nc, -(-k // chunk_size) + 1)
+  _, top_c = lax.top_k(jnp.where(chunk_ok, chunk_scores, -jnp.inf), kc)  # [B, Hkv, kc]
+  slots = (top_c[..., None] * chunk_size + jnp.arange(chunk_size)).reshape(b, h, -1)
+  ok = jnp.take_along_axis(valid_p, slots, axis=-1)
+  # Stable partition of the candidates: valid ones first (in chunk-score order), then the rest.
+  rank = jnp.cumsum(ok, axis=-1) - 1
+  rank_bad = jnp.cumsum(~ok, axis=-1) - 1 + jnp.sum(ok, axis=-1, keepdims=True)
+  dest = jnp.where(ok, rank, rank_bad)
+  dest = jnp.where(dest < k, dest, k)  # k: dropped
+  bi = jnp.arange(b)[:, None, None]
+  hi = jnp.arange(h)[None, :, None]
+  out = jnp.zeros((b, h, k), jnp.int32)
+  return out.at[bi, hi, dest].set(slots.astype(jnp.int32), mode="drop")
 
 
 def _streaming_indices(cache: KVCache, plan: Plan, k: int) -> jax.Array:
@@ -147,23 +177,19 @@ def select(q: jax.Array, cache: KVCache, plan: Plan, *, sliding_window: int | No
     return _streaming_indices(cache, plan, k)
   valid = valid_slots(cache, sliding_window)
   if m == "exact_topk":
-    scores = exact_slot_scores_xla(q, cache.k, valid)
+    return top_slots(exact_slot_scores_xla(q, cache.k, valid), valid, 1, k)
+  require(plan.chunk_size == cache.chunk_size,
+          f"plan.chunk_size={plan.chunk_size} must match the cache's {cache.chunk_size}")
+  if m == "quest":
+    chunk = quest_chunk_scores_xla(q, cache.kmin, cache.kmax, cache.length, cache.chunk_size)
   else:
-    require(plan.chunk_size == cache.chunk_size,
-            f"plan.chunk_size={plan.chunk_size} must match the cache's {cache.chunk_size}")
-    if m == "quest":
-      chunk = quest_chunk_scores_xla(q, cache.kmin, cache.kmax, cache.length, cache.chunk_size)
+    which, interpret = _impl.resolve(impl)
+    if which == "pallas":
+      from rocketkv_jax import kernels
+      chunk = kernels.approx_chunk_scores(q, cache.kmin, cache.kmax, cache.length,
+                                          chunk_size=cache.chunk_size, r=plan.r,
+                                          interpret=interpret)
     else:
-      which, interpret = _impl.resolve(impl)
-      if which == "pallas":
-        from rocketkv_jax import kernels
-        chunk = kernels.approx_chunk_scores(q, cache.kmin, cache.kmax, cache.length,
-                                            chunk_size=cache.chunk_size, r=plan.r,
-                                            interpret=interpret)
-      else:
-        chunk = approx_chunk_scores_xla(q, cache.kmin, cache.kmax, cache.length,
-                                        cache.chunk_size, plan.r)
-    scores = _slot_scores(chunk, cache.chunk_size, c)
-  scores = jnp.where(valid, scores, -jnp.inf)
-  _, idx = lax.top_k(scores, k)
-  return idx.astype(jnp.int32)
+      chunk = approx_chunk_scores_xla(q, cache.kmin, cache.kmax, cache.length,
+                                      cache.chunk_size, plan.r)
+  return top_slots(chunk, valid, cache.chunk_size, k)
