@@ -3,7 +3,7 @@
 Queries are processed one block of `block_size` rows at a time (`lax.map`), and for each query
 block only the key blocks that can be visible are visited (`lax.fori_loop` with traced bounds):
 blocks strictly above the causal diagonal are skipped, and with a sliding window so are blocks
-entirely older than the window. An online softmax (running max / running sum, float32) combines
+entirely older than the window. Without a window only the diagonal tile is masked. An online softmax (running max / running sum, float32) combines
 the visited blocks, so the largest intermediate is `[B, Hkv, G, block, block]` and an `[L, L]`
 score matrix is never materialised: an 8K prompt costs O(L * block) memory per layer.
 
@@ -65,19 +65,22 @@ def blockwise_causal_attention(
     else:
       first = jnp.maximum(0, (i * bs - (sliding_window - 1)) // bs)
 
-    def visit(j, carry):
+    def visit(j, carry, masked=True):
       m, l, acc = carry
       kb = lax.dynamic_slice_in_dim(k, j * bs, bs, axis=2)  # [B, Hkv, bs, Dh]
       vb = lax.dynamic_slice_in_dim(v, j * bs, bs, axis=2)
       s = jnp.einsum("bhgqd,bhkd->bhgqk", qb, kb,
                      preferred_element_type=jnp.float32) * scale
-      k_pos = j * bs + offsets
-      mask = k_pos[None, :] <= q_pos[:, None]
-      if sliding_window is not None:
-        mask &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
-      s = jnp.where(mask, s, _NEG)
+      if masked:
+        k_pos = j * bs + offsets
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+          mask &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+        s = jnp.where(mask, s, _NEG)
       m_new = jnp.maximum(m, s.max(-1))
-      p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+      p = jnp.exp(s - m_new[..., None])
+      if masked:
+        p = jnp.where(mask, p, 0.0)
       alpha = jnp.exp(m - m_new)
       l = l * alpha + p.sum(-1)
       acc = acc * alpha[..., None] + jnp.einsum(
@@ -87,7 +90,12 @@ def blockwise_causal_attention(
     init = (jnp.full((b, hkv, g, bs), _NEG, jnp.float32),
             jnp.zeros((b, hkv, g, bs), jnp.float32),
             jnp.zeros((b, hkv, g, bs, d), jnp.float32))
-    _, l, acc = lax.fori_loop(first, i + 1, visit, init)
+    if sliding_window is None:
+      # blocks strictly below the diagonal are fully visible: no mask work at all
+      carry = lax.fori_loop(first, i, lambda j, c: visit(j, c, masked=False), init)
+      _, l, acc = visit(i, carry)
+    else:
+      _, l, acc = lax.fori_loop(first, i + 1, visit, init)
     return (acc / l[..., None]).astype(q.dtype)
 
   out = lax.map(one_query_block, (jnp.arange(n, dtype=jnp.int32), q_blocks))
