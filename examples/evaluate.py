@@ -53,7 +53,16 @@ def main(argv=None):
   p.add_argument("--name", default="results")
   p.add_argument("--cache-dir", default=None, help="persistent XLA compilation cache")
   p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                 help="only merge these result files (e.g. one per length) into --out/--name")
   a = p.parse_args(argv)
+  if a.merge:
+    results = report.merge([report.load_json(f) for f in a.merge])
+    paths = report.write_all(results, a.out, a.name)
+    print(report.markdown(results))
+    for k, v in paths.items():
+      print(f"{k}: {v}")
+    return
   if a.cache_dir:
     jax.config.update("jax_compilation_cache_dir", a.cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)

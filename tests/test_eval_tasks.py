@@ -150,3 +150,14 @@ def test_report_tables_and_plots(tmp_path):
   for k in ("json", "markdown", "accuracy", "heatmap"):
     assert os.path.getsize(paths[k]) > 0
   assert report.load_json(paths["json"]) == res
+
+
+def test_merge_runs():
+  a, b = _fake_results(), _fake_results()
+  a["config"]["context_lengths"], b["config"]["context_lengths"] = [1000], [2000]
+  a["config"]["tasks"] = b["config"]["tasks"] = ["passkey", "vt"]
+  a["records"] = [r for r in a["records"] if r["context_len"] == 1000]
+  b["records"] = [r for r in b["records"] if r["context_len"] == 2000]
+  m = report.merge([a, b])
+  assert m["config"]["context_lengths"] == [1000, 2000] and len(m["runs"]) == 2
+  assert report.aggregate(m["records"]) == report.aggregate(_fake_results()["records"])

@@ -24,6 +24,23 @@ def load_json(path: str) -> dict:
     return json.load(f)
 
 
+def merge(results: list[dict]) -> dict:
+  """Concatenates the records of several runs (e.g. one per context length); the config is the
+  first run's with `context_lengths` / `tasks` unioned, every run's config and command kept."""
+  first = results[0]
+  cfg = dict(first["config"])
+  cfg["context_lengths"] = sorted({x for r in results for x in r["config"]["context_lengths"]})
+  cfg["tasks"] = list(dict.fromkeys(t for r in results for t in r["config"]["tasks"]))
+  timing = {}
+  for i, r in enumerate(results):
+    for k, v in r.get("timing", {}).items():
+      timing[f"run{i}_{k}"] = v
+  return dict(config=cfg, plans={k: v for r in results for k, v in r.get("plans", {}).items()},
+              records=[x for r in results for x in r["records"]], timing=timing,
+              runs=[dict(config=r["config"], command=r.get("command"), timing=r.get("timing"))
+                    for r in results])
+
+
 def aggregate(records: list[dict]) -> dict:
   """{(task, length, method, budget): (mean score x 100, n)}."""
   acc = collections.defaultdict(list)

@@ -211,7 +211,8 @@ def make_sample(tokenizer, task: str, context_len: int, index: int, seed: int = 
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
     intro = ("There is an important piece of information hidden inside a lot of irrelevant "
              "text. Find it and memorize it.\n\n")
-    q = "\n\nWhat is the pass key? The pass key is"
+    q = ("\n\nWhat is the pass key mentioned in the provided text? The pass key mentioned in "
+         "the provided text is")
     msg, n = hay.build(lambda h: intro + h + q, [needle], [depth])
     return Sample(task, context_len, index, msg, [key], "contains",
                   dict(depth=depth, prompt_tokens=n))
