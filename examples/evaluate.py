@@ -53,6 +53,10 @@ def main(argv=None):
   p.add_argument("--name", default="results")
   p.add_argument("--cache-dir", default=None, help="persistent XLA compilation cache")
   p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--diagnostics", action="store_true",
+                 help="also report each method's attention recall (selection quality)")
+  p.add_argument("--diagnostics-only", action="store_true",
+                 help="prompt passes + selection-quality diagnostics, no decoding")
   p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                  help="only merge these result files (e.g. one per length) into --out/--name")
   a = p.parse_args(argv)
@@ -73,7 +77,8 @@ def main(argv=None):
       tasks=tuple(a.tasks), context_lengths=tuple(a.lengths), methods=tuple(a.methods),
       budgets=tuple(a.budgets), samples=a.samples, seed=a.seed, batch_size=a.batch_size,
       max_new_tokens=a.max_new_tokens, data_dir=a.data_dir,
-      datasets=tuple(a.datasets) if a.datasets else None, multiturn_methods=tuple(a.mt_methods))
+      datasets=tuple(a.datasets) if a.datasets else None, multiturn_methods=tuple(a.mt_methods),
+      diagnostics=a.diagnostics or a.diagnostics_only, decode=not a.diagnostics_only)
   results = harness.run_sweep(model, cfg, progress=not a.no_progress)
   results["timing"]["wall_s_including_load"] = time.perf_counter() - t0
   results["command"] = "python examples/evaluate.py " + " ".join(

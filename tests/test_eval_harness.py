@@ -89,3 +89,20 @@ def test_multiturn_scored_per_turn_and_full_matches_generate():
   assert by[("multiturn_t2", "full")]["tokens"] == ref.tokens[0]
   # Turn 1 of rocketkv and rocketkv_mt is the same computation (stage 1 from question 1).
   assert by[("multiturn_t1", "rocketkv")]["tokens"] == by[("multiturn_t1", "rocketkv_mt")]["tokens"]
+
+
+def test_attention_recall_exact_topk_is_the_upper_bound():
+  from rocketkv_jax.eval import diagnostics
+
+  model = tiny_model()
+  runner = Runner(model)
+  rng = np.random.default_rng(4)
+  tokens = rng.integers(3, 256, size=(1, 300)).astype(np.int32)
+  pp = runner.prompt_pass(tokens, [300])
+  rows = {(r["method"], r["budget"]): r for r in diagnostics.attention_recall(
+      runner, pp, ["exact_topk", "rocketkv", "snapkv"], [64])}
+  best = rows[("exact_topk", 64)]["read_recall"]
+  for m in ("rocketkv", "snapkv"):
+    r = rows[(m, 64)]
+    assert r["read_recall"] <= best + 1e-5 and r["read_recall"] <= r["kept_recall"] + 1e-5
+  assert rows[("rocketkv", 64)]["kept_recall"] > rows[("snapkv", 64)]["kept_recall"]

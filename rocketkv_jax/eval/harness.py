@@ -61,6 +61,8 @@ class SweepConfig:
   multiturn_methods: tuple = MT_METHODS
   turn_pad: int = 64
   turns: int = 3  # multi-turn: questions answered in turn (at most 3)
+  diagnostics: bool = False  # attention recall of each selection on each group's first batch
+  decode: bool = True  # False: prompt passes (+ diagnostics) only, no records
 
   def __post_init__(self):
     for m in self.methods + self.multiturn_methods:
@@ -207,9 +209,10 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True) -> dict[str, An
       total += len(ss) * (1 + len(_configs(cfg, cfg.multiturn_methods)))
     else:
       nb = -(-len(ss) // cfg.batch_size)
-      total += nb * (1 + len(_configs(cfg)))
+      total += nb * (1 + (len(_configs(cfg)) if cfg.decode else 0))
   bar = _Progress(total, progress)
   records: list[dict] = []
+  diag: list[dict] = []
   plans: dict[str, dict] = {}
   timing = dict(generate_samples_s=gen_s, prompt_pass_s=0.0, decode_s=0.0)
 
@@ -232,7 +235,12 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True) -> dict[str, An
       pp.first.block_until_ready()
       timing["prompt_pass_s"] += time.perf_counter() - t0
       bar.update(1, f"{task}@{length} prefill")
-      for method, budget in _configs(cfg):
+      if cfg.diagnostics and start == 0:
+        from rocketkv_jax.eval import diagnostics
+
+        for row in diagnostics.attention_recall(runner, pp, cfg.methods, cfg.budgets):
+          diag.append(dict(task=task, context_len=length, **row))
+      for method, budget in (_configs(cfg) if cfg.decode else []):
         t0 = time.perf_counter()
         b = budget if budget is not None else max(cfg.budgets)
         got, _, _, _ = runner.decode(pp, method, b, mn)
@@ -245,7 +253,10 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True) -> dict[str, An
         bar.update(1, f"{task}@{length} {method}/{budget}")
   bar.close()
   timing["total_s"] = time.perf_counter() - t_start
-  return dict(config=_config_dict(model, cfg), plans=plans, records=records, timing=timing)
+  out = dict(config=_config_dict(model, cfg), plans=plans, records=records, timing=timing)
+  if diag:
+    out["diagnostics"] = diag
+  return out
 
 
 def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):

@@ -35,8 +35,10 @@ def merge(results: list[dict]) -> dict:
   for i, r in enumerate(results):
     for k, v in r.get("timing", {}).items():
       timing[f"run{i}_{k}"] = v
+  diag = [d for r in results for d in r.get("diagnostics", [])]
+  extra = dict(diagnostics=diag) if diag else {}
   return dict(config=cfg, plans={k: v for r in results for k, v in r.get("plans", {}).items()},
-              records=[x for r in results for x in r["records"]], timing=timing,
+              records=[x for r in results for x in r["records"]], timing=timing, **extra,
               runs=[dict(config=r["config"], command=r.get("command"), timing=r.get("timing"))
                     for r in results])
 
@@ -110,6 +112,25 @@ def markdown(results: dict) -> str:
         n = agg[key0][1]
         cells = [_cell(agg, (task, length, m, b)) for b in budgets]
         lines.append(f"| {length} | {m} | " + " | ".join(cells) + f" | {n} |")
+    lines.append("")
+  diag = results.get("diagnostics")
+  if diag:
+    lines += ["## Selection quality (attention recall of the last prompt query)", "",
+              "Exact attention mass on the tokens each method reads (read) and on the tokens "
+              "stage 1 kept (kept), mean over heads, layers and the first batch; exact_topk "
+              "is the best possible read at that budget.", ""]
+    bud = sorted({d["budget"] for d in diag if d["budget"] is not None})
+    lines.append("| task | length | method | " + " | ".join(f"B={b} read / kept" for b in bud)
+                 + " |")
+    lines.append("|---|---|---|" + "---|" * len(bud))
+    idx = {(d["task"], d["context_len"], d["method"], d["budget"]): d for d in diag}
+    for (task, length, m) in dict.fromkeys((d["task"], d["context_len"], d["method"])
+                                           for d in diag):
+      cells = []
+      for b in bud:
+        d = idx.get((task, length, m, None if m == "full" else b))
+        cells.append("" if d is None else f"{d['read_recall']:.3f} / {d['kept_recall']:.3f}")
+      lines.append(f"| {task} | {length} | {m} | " + " | ".join(cells) + " |")
     lines.append("")
   t = results.get("timing", {})
   if t:
@@ -212,6 +233,9 @@ def write_all(results: dict, out_dir: str, name: str = "results") -> dict[str, s
   save_json(results, paths["json"])
   with open(paths["markdown"], "w") as f:
     f.write(markdown(results))
+  if not results["records"]:
+    del paths["accuracy"]
+    return paths
   plot_accuracy(results, paths["accuracy"])
   heat = os.path.join(out_dir, f"{name}_niah_heatmap.png")
   tasks = {r["task"] for r in results["records"] if "depth" in r}

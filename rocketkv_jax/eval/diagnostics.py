@@ -1,0 +1,76 @@
+"""Selection quality from a prompt pass: how much of the exact attention mass a method reads.
+
+For every layer the query of the last prompt token (it sees every prompt token) is scored
+exactly against the full prompt K (softmax per query head). Each (method, budget) builds its
+cache from the same prompt pass (`rocketkv.prefill`) and runs its stage-2 selection
+(`rocketkv.select`) for that query; the slots it would read map to prompt positions through
+`cache.pos`. Recall = exact attention mass on those positions (mean over query heads, layers
+and batch rows). `exact_topk` with the same budget is the best any B-token selection can do;
+"kept" is the mass on every token stage 1 kept (what dense attention over the evicted cache
+sees: SnapKV's whole read, RocketKV's stage-1 upper bound before stage 2).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import rocketkv_jax as rocketkv
+from rocketkv_jax.multiturn import MTState
+
+
+def _exact_probs(q, k, lengths):
+  """q [B, Hq, D], k [B, Hkv, L, D] -> probs [B, Hkv, G, L] over valid positions."""
+  b, hq, d = q.shape
+  hkv, length = k.shape[1], k.shape[2]
+  g = hq // hkv
+  s = jnp.einsum("bhgd,bhld->bhgl", q.reshape(b, hkv, g, d).astype(jnp.float32),
+                 k.astype(jnp.float32)) / jnp.sqrt(float(d))
+  valid = (jnp.arange(length) < lengths[:, None])[:, None, None, :]
+  return jax.nn.softmax(jnp.where(valid, s, -jnp.inf), axis=-1)
+
+
+def _mass(probs, pos, ok):
+  """probs [B, Hkv, G, L]; pos/ok [B, Hkv, K] -> [B] mean over heads of the mass at pos."""
+  length = probs.shape[-1]
+  onehot = jnp.zeros(probs.shape[:2] + (length,), jnp.float32)
+  bi = jnp.arange(pos.shape[0])[:, None, None]
+  hi = jnp.arange(pos.shape[1])[None, :, None]
+  onehot = onehot.at[bi, hi, jnp.where(ok, pos, length)].set(1.0, mode="drop")
+  return jnp.mean(jnp.sum(probs * onehot[:, :, None, :], axis=-1), axis=(1, 2))
+
+
+@functools.partial(jax.jit, static_argnames=("plan",))
+def _recall(k, v, qw, lengths, *, plan):
+  def one(_, xs):
+    kk, vv, qq = xs
+    q = qq[:, :, -1]
+    probs = _exact_probs(q, kk, lengths)
+    state = rocketkv.prefill(kk, vv, qq, plan, lengths=lengths)
+    cache = state.view if isinstance(state, MTState) else state
+    kept_ok = jnp.arange(cache.capacity)[None, None, :] < cache.length[:, None, None]
+    kept = _mass(probs, cache.pos, kept_ok)
+    idx = rocketkv.select(q, cache, plan)
+    sel_ok = jnp.take_along_axis(kept_ok, idx, axis=2) & (idx < cache.capacity)
+    pos = jnp.take_along_axis(cache.pos, jnp.clip(idx, 0, cache.capacity - 1), axis=2)
+    read = _mass(probs, pos, sel_ok)
+    return None, (kept, read)
+
+  _, (kept, read) = lax.scan(one, None, (k, v, qw))
+  return kept, read  # [N, B] each
+
+
+def attention_recall(runner, pp, methods, budgets) -> list[dict]:
+  """Rows {method, budget, kept_recall, read_recall, per_layer_read} for one prompt pass."""
+  rows = []
+  for m in methods:
+    for b in ([None] if m == "full" else budgets):
+      plan = runner.plan(m, b or max(budgets), pp.padded_len, 1)
+      kept, read = _recall(pp.k, pp.v, pp.q_window, pp.lengths, plan=plan)
+      rows.append(dict(method=m, budget=b, kept_recall=float(jnp.mean(kept)),
+                       read_recall=float(jnp.mean(read)),
+                       per_layer_read=[float(x) for x in jnp.mean(read, axis=1)]))
+  return rows
