@@ -150,23 +150,32 @@ def _write_rows(buf: jax.Array, rows: jax.Array, index: jax.Array) -> jax.Array:
   return buf
 
 
-def append(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
-  """Writes one token per sequence at slot `length[b]` and updates that chunk's min / max.
-
-  Args:
-    cache: the cache.
-    k_new, v_new: [B, Hkv, 1, D] the new token's key (post-RoPE) and value.
-  Returns:
-    The new cache. A full sequence overwrites its last slot and sets `overflow[b]` (see module
-    doc).
+@struct.dataclass
+class SummaryPatch:
+  """The summary rows an append rewrites: chunk `chunk[b]` of sequence b now has min / max
+  `kmin [B, Hkv, D]` / `kmax [B, Hkv, D]`. Lets a decode step score from the summaries as they
+  were before the append (read first, write last), which keeps XLA's in-place update copy-free.
   """
+
+  chunk: jax.Array
+  kmin: jax.Array
+  kmax: jax.Array
+
+  def apply(self, kmin: jax.Array, kmax: jax.Array):
+    """The patched summaries (what `append` writes)."""
+    return _write_rows(kmin, self.kmin, self.chunk), _write_rows(kmax, self.kmax, self.chunk)
+
+
+def append_with_patch(cache: KVCache, k_new: jax.Array, v_new: jax.Array):
+  """`append`, also returning the `SummaryPatch` it applied (None when the cache keeps no
+  summaries)."""
   _check_new(cache, k_new, v_new)
   c, cs = cache.capacity, cache.chunk_size
   ok = cache.length < c
   slot = jnp.minimum(cache.length, c - 1)  # full: the newest token takes the last slot
   kn, vn = k_new[:, :, 0], v_new[:, :, 0]  # [B, Hkv, D]
   k = _write_rows(cache.k, kn, slot)
-  kmin, kmax = cache.kmin, cache.kmax
+  kmin, kmax, patch = cache.kmin, cache.kmax, None
   if cs > 0:
     # The chunk's min / max recomputed from its (at most chunk_size) rows of the updated keys:
     # no read of kmin / kmax before their write, so XLA updates them in place too.
@@ -178,13 +187,28 @@ def append(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
     j = start[:, None] + jnp.arange(width)
     in_chunk = ((j >= ci[:, None] * cs) & (j <= slot[:, None]))[:, None, :, None]
     big = jnp.asarray(jnp.finfo(k.dtype).max, k.dtype)
-    kmin = _write_rows(kmin, jnp.min(jnp.where(in_chunk, rows, big), axis=2), ci)
-    kmax = _write_rows(kmax, jnp.max(jnp.where(in_chunk, rows, -big), axis=2), ci)
+    patch = SummaryPatch(chunk=ci, kmin=jnp.min(jnp.where(in_chunk, rows, big), axis=2),
+                         kmax=jnp.max(jnp.where(in_chunk, rows, -big), axis=2))
+    kmin, kmax = patch.apply(kmin, kmax)
   seen = jnp.broadcast_to(cache.seen[:, None], cache.pos.shape[:2])
-  return cache.replace(k=k, v=_write_rows(cache.v, vn, slot), kmin=kmin, kmax=kmax,
-                       pos=_write_rows(cache.pos, seen, slot),
-                       length=cache.length + ok.astype(jnp.int32), seen=cache.seen + 1,
-                       overflow=cache.overflow | ~ok)
+  new = cache.replace(k=k, v=_write_rows(cache.v, vn, slot), kmin=kmin, kmax=kmax,
+                      pos=_write_rows(cache.pos, seen, slot),
+                      length=cache.length + ok.astype(jnp.int32), seen=cache.seen + 1,
+                      overflow=cache.overflow | ~ok)
+  return new, patch
+
+
+def append(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
+  """Writes one token per sequence at slot `length[b]` and updates that chunk's min / max.
+
+  Args:
+    cache: the cache.
+    k_new, v_new: [B, Hkv, 1, D] the new token's key (post-RoPE) and value.
+  Returns:
+    The new cache. A full sequence overwrites its last slot and sets `overflow[b]` (see module
+    doc).
+  """
+  return append_with_patch(cache, k_new, v_new)[0]
 
 
 def extend(cache: KVCache, k: jax.Array, v: jax.Array,

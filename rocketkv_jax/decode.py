@@ -13,7 +13,7 @@ import jax
 
 from rocketkv_jax._checks import require
 from rocketkv_jax.attend import attend
-from rocketkv_jax.cache import KVCache, append, full_cache
+from rocketkv_jax.cache import KVCache, append, append_with_patch, full_cache
 from rocketkv_jax.config import DENSE_METHODS, Plan
 from rocketkv_jax.evict import _check as _check_prefill
 from rocketkv_jax.evict import evict, evict_streaming
@@ -74,8 +74,10 @@ def decode_step(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache, plan: P
   check_query(q, cache)
   require(q.dtype == cache.k.dtype or q.dtype == jax.numpy.float32,
           f"q dtype {q.dtype} must match the cache dtype {cache.k.dtype} (or be float32)")
-  cache = append(cache, k_new, v_new)
+  old = cache
+  cache, patch = append_with_patch(cache, k_new, v_new)
   if plan.method in DENSE_METHODS:
     return attend(q, cache, None, sliding_window=sliding_window, impl=impl), cache
-  idx = select(q, cache, plan, sliding_window=sliding_window, impl=impl)
+  before = (old.kmin, old.kmax, patch) if patch is not None else None
+  idx = select(q, cache, plan, sliding_window=sliding_window, impl=impl, before_append=before)
   return attend(q, cache, idx, sliding_window=sliding_window, impl=impl), cache

@@ -13,14 +13,25 @@ The other methods plug their own scores into the same top-k (see `METHODS` in co
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from rocketkv_jax import _impl
 from rocketkv_jax._checks import group_size, require, require_rank
-from rocketkv_jax.cache import KVCache, valid_slots
+from rocketkv_jax.cache import KVCache, SummaryPatch, valid_slots
 from rocketkv_jax.config import DENSE_METHODS, Plan
+
+
+def _patched(logits: jax.Array, patch: SummaryPatch | None, score_rows) -> jax.Array:
+  """logits [B, Hkv, G, NC] with chunk patch.chunk[b] re-scored from the patch rows."""
+  if patch is None:
+    return logits
+  row = score_rows(patch.kmin, patch.kmax)  # [B, Hkv, G, 1]
+  at = (jnp.arange(logits.shape[-1]) == patch.chunk[:, None])[:, None, None, :]
+  return jnp.where(at, row, logits)
 
 
 def _chunk_valid(length: jax.Array, num_chunks: int, chunk_size: int) -> jax.Array:
@@ -38,7 +49,8 @@ def _group_softmax_sum(logits: jax.Array, chunk_ok: jax.Array) -> jax.Array:
 
 
 def approx_chunk_scores_xla(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: jax.Array,
-                            chunk_size: int, r: int) -> jax.Array:
+                            chunk_size: int, r: int, patch: SummaryPatch | None = None
+                            ) -> jax.Array:
   """RocketKV / SparQ approximate scores per chunk.
 
   Args:
@@ -47,6 +59,7 @@ def approx_chunk_scores_xla(q: jax.Array, kmin: jax.Array, kmax: jax.Array, leng
     length: [B] valid slots.
     chunk_size: slots per chunk.
     r: head dims kept.
+    patch: summary rows to use instead of those in kmin / kmax (see `SummaryPatch`).
   Returns:
     [B, Hkv, NC] float32 group-summed softmax scores; 0 for chunks with no valid slot.
   """
@@ -63,8 +76,10 @@ def approx_chunk_scores_xla(q: jax.Array, kmin: jax.Array, kmax: jax.Array, leng
   q_hi = jnp.where(keep & pos, qg, 0.0).astype(kmax.dtype)
   q_lo = jnp.where(keep & ~pos, qg, 0.0).astype(kmin.dtype)
   # Summaries as the left operand ([NC, D] x [D, G]): the layout XLA:CPU multiplies fastest.
-  logits = (jnp.einsum("bhcd,bhgd->bhgc", kmax, q_hi, preferred_element_type=jnp.float32)
-            + jnp.einsum("bhcd,bhgd->bhgc", kmin, q_lo, preferred_element_type=jnp.float32))
+  dot = functools.partial(jnp.einsum, "bhcd,bhgd->bhgc", preferred_element_type=jnp.float32)
+  logits = dot(kmax, q_hi) + dot(kmin, q_lo)
+  logits = _patched(logits, patch, lambda lo, hi: dot(hi[:, :, None], q_hi) + dot(lo[:, :, None],
+                                                                                 q_lo))
   q_r_abs = jnp.sum(jnp.where(keep, qabs, 0.0), axis=-1)
   frac = q_r_abs / jnp.maximum(jnp.sum(qabs, axis=-1), 1e-30)
   scale = lax.rsqrt(jnp.float32(d) * jnp.where(frac > 0, frac, 1.0))  # [B, Hkv, G]
@@ -73,15 +88,20 @@ def approx_chunk_scores_xla(q: jax.Array, kmin: jax.Array, kmax: jax.Array, leng
 
 
 def quest_chunk_scores_xla(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: jax.Array,
-                           chunk_size: int) -> jax.Array:
+                           chunk_size: int, patch: SummaryPatch | None = None) -> jax.Array:
   """Quest's per-page upper bound sum_d max(q_d kmin_d, q_d kmax_d) for every query head,
   softmax over pages (scale 1/sqrt(D)) and summed over the group. -> [B, Hkv, NC]."""
   b, hq, d = q.shape
   hkv, nc = kmin.shape[1], kmin.shape[2]
   qg = q.reshape(b, hkv, hq // hkv, d).astype(jnp.float32)
-  lo = jnp.einsum("bhgd,bhcd->bhgcd", qg, kmin.astype(jnp.float32))
-  hi = jnp.einsum("bhgd,bhcd->bhgcd", qg, kmax.astype(jnp.float32))
-  logits = jnp.sum(jnp.maximum(lo, hi), axis=-1) / jnp.sqrt(jnp.float32(d))
+
+  def bound(kmin, kmax):  # [B, Hkv, N, D] -> [B, Hkv, G, N]
+    lo = jnp.einsum("bhgd,bhcd->bhgcd", qg, kmin.astype(jnp.float32))
+    hi = jnp.einsum("bhgd,bhcd->bhgcd", qg, kmax.astype(jnp.float32))
+    return jnp.sum(jnp.maximum(lo, hi), axis=-1) / jnp.sqrt(jnp.float32(d))
+
+  logits = _patched(bound(kmin, kmax), patch,
+                    lambda lo, hi: bound(lo[:, :, None], hi[:, :, None]))
   return _group_softmax_sum(logits, _chunk_valid(length, nc, chunk_size))
 
 
@@ -152,7 +172,7 @@ def check_query(q: jax.Array, cache: KVCache, name: str = "q") -> None:
 
 
 def select(q: jax.Array, cache: KVCache, plan: Plan, *, sliding_window: int | None = None,
-           impl: str = "auto") -> jax.Array:
+           impl: str = "auto", before_append: tuple | None = None) -> jax.Array:
   """Stage 2: the slots each KV head attends to.
 
   Args:
@@ -161,6 +181,9 @@ def select(q: jax.Array, cache: KVCache, plan: Plan, *, sliding_window: int | No
     plan: from `rocketkv.plan`; `plan.method` chooses the scoring.
     sliding_window: Mistral v0.1 window, or None.
     impl: "auto" | "xla" | "pallas" for the approximate scoring.
+    before_append: optional (kmin, kmax, SummaryPatch) from just before `cache`'s last append;
+      the XLA path then scores from those (same numbers) so that a jitted decode step reads the
+      summaries before writing them (no whole-buffer copies on XLA:CPU).
   Returns:
     int32 [B, Hkv, K] slot indices, K = min(plan.top_k, C) (K = C for dense methods). Only valid
     slots are picked while there are enough of them; when K >= valid slots every valid slot is
@@ -180,16 +203,18 @@ def select(q: jax.Array, cache: KVCache, plan: Plan, *, sliding_window: int | No
     return top_slots(exact_slot_scores_xla(q, cache.k, valid), valid, 1, k)
   require(plan.chunk_size == cache.chunk_size,
           f"plan.chunk_size={plan.chunk_size} must match the cache's {cache.chunk_size}")
+  kmin, kmax, patch = before_append if before_append is not None else (cache.kmin, cache.kmax,
+                                                                       None)
+  which, interpret = _impl.resolve(impl)
   if m == "quest":
-    chunk = quest_chunk_scores_xla(q, cache.kmin, cache.kmax, cache.length, cache.chunk_size)
+    chunk = quest_chunk_scores_xla(q, kmin, kmax, cache.length, cache.chunk_size, patch)
   else:
-    which, interpret = _impl.resolve(impl)
     if which == "pallas":
       from rocketkv_jax import kernels
       chunk = kernels.approx_chunk_scores(q, cache.kmin, cache.kmax, cache.length,
                                           chunk_size=cache.chunk_size, r=plan.r,
                                           interpret=interpret)
     else:
-      chunk = approx_chunk_scores_xla(q, cache.kmin, cache.kmax, cache.length,
-                                      cache.chunk_size, plan.r)
+      chunk = approx_chunk_scores_xla(q, kmin, kmax, cache.length, cache.chunk_size, plan.r,
+                                      patch)
   return top_slots(chunk, valid, cache.chunk_size, k)

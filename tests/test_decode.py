@@ -253,3 +253,17 @@ def test_append_writes_each_sequence_at_its_length(batch):
     np.testing.assert_array_equal(np.asarray(new.kmin[b]), kmin)
     np.testing.assert_array_equal(np.asarray(new.kmax[b]), kmax)
   assert np.asarray(new.length).tolist() == (lengths + 1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_jitted_decode_step_updates_the_cache_in_place(dtype):
+  """No whole-buffer copy of K, V or the summaries in the compiled, donated decode step."""
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, window_size=8), 4000, 16, 64)
+  kc = jnp.zeros((1, 4, plan.prompt_budget, 64), dtype)
+  cache = rocketkv.full_cache(kc, kc, plan.capacity, plan.chunk_size)
+  q, kn = jnp.zeros((1, 12, 64), dtype), jnp.zeros((1, 4, 1, 64), dtype)
+  step = jax.jit(rocketkv.decode_step, static_argnums=4, donate_argnums=3)
+  hlo = step.lower(q, kn, kn, cache, plan).compile().as_text()
+  shapes = {f"[1,4,{plan.capacity},64]", f"[1,4,{plan.num_chunks},64]"}
+  copies = [line for line in hlo.splitlines() if " copy(" in line and any(s in line for s in shapes)]
+  assert copies == []
