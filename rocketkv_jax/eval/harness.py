@@ -63,6 +63,7 @@ class SweepConfig:
   turns: int = 3  # multi-turn: questions answered in turn (at most 3)
   diagnostics: bool = False  # attention recall of each selection on each group's first batch
   decode: bool = True  # False: prompt passes (+ diagnostics) only, no records
+  precompile: bool = True  # compile each group's decode programs on 2 background threads
 
   def __post_init__(self):
     for m in self.methods + self.multiturn_methods:
@@ -220,6 +221,9 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True) -> dict[str, An
     if task == tasks_lib.MULTITURN_TASK:
       _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar)
       continue
+    if cfg.decode and cfg.precompile:
+      runner.precompile([(m, b if b is not None else max(cfg.budgets)) for m, b in _configs(cfg)],
+                        cfg.batch_size, p, mn)
     for start in range(0, len(ss), cfg.batch_size):
       batch = ss[start:start + cfg.batch_size]
       ids = [tasks_lib.chat_ids(tok, s.prompt) for s in batch]

@@ -108,9 +108,37 @@ def _prompt_pass(params, tokens, lengths, *, config, window, block_size):
   return jnp.argmax(logits, axis=-1).astype(jnp.int32), ks, vs, qws
 
 
-def _greedy_loop(params, cache, first, seen, eos, *, config, plan, max_new_tokens):
-  """Greedy decode: `first` [B] was sampled already and sits at position `seen`."""
+def _scanned_decode_step(params, stacked, cache, tokens, positions, *, config, plan):
+  """`llama.decode_step` with a `lax.scan` over stacked layers and a stacked cache: slower
+  steps than the unrolled step, but the program compiles several times faster, which is what
+  dominates a sweep of many (method, budget) programs on CPU."""
+  x = params["embed"][tokens][:, None, :]
+  pos = positions[:, None]
+
+  def layer(x, xs):
+    lp, state = xs
+    q, k, v = llama._qkv(lp, config, x, pos)
+    out, state = rocketkv.decode_step(q[:, :, 0], k, v, state, plan,
+                                      sliding_window=config.sliding_window)
+    x = llama._mlp_residual(lp, config, llama._attn_residual(lp, x, out[:, :, None, :]))
+    return x, state
+
+  x, cache = lax.scan(layer, x, (stacked, cache))
+  return llama.unembed(params, config, x[:, 0]), cache
+
+
+def _greedy_loop(params, cache, first, seen, eos, *, config, plan, max_new_tokens,
+                 scan_layers=False):
+  """Greedy decode: `first` [B] was sampled already and sits at position `seen`.
+
+  With `scan_layers` the cache is stacked over layers and the step scans them."""
   b = first.shape[0]
+  if scan_layers:
+    stacked = _stacked_layers(params)
+    step_fn = lambda c, t, p: _scanned_decode_step(params, stacked, c, t, p, config=config,
+                                                   plan=plan)
+  else:
+    step_fn = lambda c, t, p: llama.decode_step(params, c, t, p, config=config, plan=plan)
   out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
   is_eos = lambda t: jnp.any(t[:, None] == eos[None, :], axis=-1)
   done = is_eos(first)
@@ -121,8 +149,7 @@ def _greedy_loop(params, cache, first, seen, eos, *, config, plan, max_new_token
 
   def body(carry):
     step, tok, out, done, cache = carry
-    logits, cache = llama.decode_step(params, cache, tok, seen + step - 1, config=config,
-                                      plan=plan)
+    logits, cache = step_fn(cache, tok, seen + step - 1)
     nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     nxt = jnp.where(done, tok, nxt)
     out = out.at[:, step].set(nxt)
@@ -132,24 +159,29 @@ def _greedy_loop(params, cache, first, seen, eos, *, config, plan, max_new_token
   return out, steps, cache
 
 
-def _build_states(k, v, qw, lengths, plan):
+def _build_states(k, v, qw, lengths, plan, stacked: bool = False):
   """Per-layer method states from the stored prompt K/V (scanned over layers)."""
   def one(_, xs):
     kk, vv, qq = xs
     return None, rocketkv.prefill(kk, vv, qq, plan, lengths=lengths)
 
-  _, stacked = lax.scan(one, None, (k, v, qw))
-  return _unstack(stacked, k.shape[0])
+  _, states = lax.scan(one, None, (k, v, qw))
+  return states if stacked else _unstack(states, k.shape[0])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "plan", "max_new_tokens", "keep_cache"))
-def _method_decode(params, k, v, qw, lengths, first, eos, *, config, plan, max_new_tokens,
-                   keep_cache):
-  states = _build_states(k, v, qw, lengths, plan)
-  cache = _cache_layout(params, states)
+def _method_decode_impl(params, k, v, qw, lengths, first, eos, *, config, plan, max_new_tokens,
+                        keep_cache, scan_layers=False):
+  states = _build_states(k, v, qw, lengths, plan, stacked=scan_layers)
+  cache = states if scan_layers else _cache_layout(params, states)
   out, steps, cache = _greedy_loop(params, cache, first, lengths, eos, config=config, plan=plan,
-                                   max_new_tokens=max_new_tokens)
+                                   max_new_tokens=max_new_tokens, scan_layers=scan_layers)
+  if scan_layers and keep_cache:
+    cache = _cache_layout(params, _unstack(cache, k.shape[0]))
   return out, steps, (cache if keep_cache else None)
+
+
+_method_decode = jax.jit(_method_decode_impl, static_argnames=(
+    "config", "plan", "max_new_tokens", "keep_cache", "scan_layers"))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "plan", "max_new_tokens"))
@@ -213,6 +245,10 @@ def _turn_prefill(params, caches, tokens, turn_lengths, *, config, window):
 
 
 # --------------------------------------------------------------------------- user API
+_FUTURES: dict = {}  # ahead-of-time compiled decode programs (futures), shared by runners
+_POOL: list = []
+
+
 class Runner:
   """Binds a model; every method reuses one prompt pass.
 
@@ -221,11 +257,16 @@ class Runner:
     window_size: stage-1 observation window W (RocketConfig default 32).
     block_size: prefill attention tile.
     eos_token_ids: stop ids (default: the tokenizer's, else the config's).
+    scan_layers: decode with a `lax.scan` over layers (much faster compiles, slower steps)
+      instead of `models.llama.decode_step`'s unrolled layers. Multi-turn continuation always
+      uses the unrolled step.
   """
 
   def __init__(self, model, *, window_size: int = 32, block_size: int = 512,
-               eos_token_ids=None):
+               eos_token_ids=None, scan_layers: bool = False):
     self.model = model
+    self.scan_layers = bool(scan_layers)
+    self._futures = _FUTURES  # shared: executables take params as an argument
     self.config = model.config
     self.window_size = window_size
     self.block_size = block_size
@@ -286,12 +327,51 @@ class Runner:
       raise ValueError(f"prompt ({pp.padded_len}) + max_new_tokens ({max_new_tokens}) exceeds "
                        f"the model's context of {self.config.max_position_embeddings}")
     plan = self.plan(method, token_budget, pp.padded_len, max_new_for_plan or max_new_tokens)
-    out, steps, cache = _method_decode(
-        self.model.params, pp.k, pp.v, pp.q_window, pp.lengths, pp.first, self._eos,
-        config=self.config, plan=plan, max_new_tokens=max_new_tokens, keep_cache=keep_cache)
+    args = (self.model.params, pp.k, pp.v, pp.q_window, pp.lengths, pp.first, self._eos)
+    key = self._key(plan, pp.k.shape, pp.q_window.shape, max_new_tokens, keep_cache)
+    if key in self._futures:  # compiled ahead of time (see `precompile`)
+      out, steps, cache = self._futures[key].result()(*args)
+    else:
+      out, steps, cache = _method_decode(
+          *args, config=self.config, plan=plan, max_new_tokens=max_new_tokens,
+          keep_cache=keep_cache, scan_layers=self.scan_layers)
     out = np.asarray(out)
     steps = int(steps)
     return self.strip(out, steps), out, steps, cache
+
+  # ---------------------------------------------------------------- ahead-of-time compiles
+  def _key(self, plan, k_shape, qw_shape, max_new_tokens, keep_cache):
+    dt = str(self.model.params["embed"].dtype)
+    return (self.config, dt, plan, tuple(k_shape), tuple(qw_shape), int(max_new_tokens),
+            bool(keep_cache), self.scan_layers)
+
+  def precompile(self, configs, batch: int, padded_len: int, max_new_tokens: int,
+                 workers: int = 2) -> None:
+    """Starts compiling the decode programs of `configs` [(method, budget)] for a batch of
+    `batch` prompts padded to `padded_len`, on `workers` background threads (XLA compiles are
+    single-threaded, so they overlap with each other and with prompt passes); `decode` then
+    waits for its program instead of compiling it."""
+    import concurrent.futures
+
+    if not _POOL:
+      _POOL.append(concurrent.futures.ThreadPoolExecutor(max_workers=workers))
+    c = self.config
+    dt = self.model.params["embed"].dtype
+    w = min(self.window_size, padded_len)
+    sds = jax.ShapeDtypeStruct
+    k = sds((c.num_layers, batch, c.num_kv_heads, padded_len, c.head_dim), dt)
+    qw = sds((c.num_layers, batch, c.num_heads, w, c.head_dim), dt)
+    vec = sds((batch,), jnp.int32)
+    for method, budget in configs:
+      plan = self.plan(method, budget, padded_len, max_new_tokens)
+      key = self._key(plan, k.shape, qw.shape, max_new_tokens, False)
+      if key in self._futures:
+        continue
+      static = dict(config=c, plan=plan, max_new_tokens=int(max_new_tokens), keep_cache=False,
+                    scan_layers=self.scan_layers)
+      fn = jax.jit(functools.partial(_method_decode_impl, **static))
+      args = (self.model.params, k, k, qw, vec, vec, self._eos)
+      self._futures[key] = _POOL[0].submit(lambda fn=fn, args=args: fn.lower(*args).compile())
 
   def continue_decode(self, cache, first, seen, plan, max_new_tokens: int):
     """Greedy decode from an existing cache (multi-turn)."""
