@@ -139,3 +139,21 @@ def test_smollm2_string_prompt_full_kv_matches_transformers():
     ref = ref[:ref.index(2)]
   assert res.tokens[0] == ref
   assert "Paris" in res.text[0]
+
+
+def test_full_cache_raises_on_the_host(monkeypatch):
+  """A plan whose cache is 3 slots too small: the core drops the writes, generate raises."""
+  import dataclasses
+
+  path, _ = hf_checkpoint("llama31")
+  model = M.load(path)
+  real_plan = rocketkv.plan
+
+  def short_plan(*args, **kwargs):
+    p = real_plan(*args, **kwargs)
+    return dataclasses.replace(p, capacity=p.capacity - 3, chunk_size=p.capacity - 3)
+
+  monkeypatch.setattr(rocketkv, "plan", short_plan)
+  with pytest.raises(RuntimeError, match="KV cache overflow"):
+    rocketkv.generate(model, _prompts(), method="streamingllm", token_budget=32,
+                      max_new_tokens=6, eos_token_ids=())
