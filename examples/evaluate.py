@@ -79,7 +79,17 @@ def main(argv=None):
       max_new_tokens=a.max_new_tokens, data_dir=a.data_dir,
       datasets=tuple(a.datasets) if a.datasets else None, multiturn_methods=tuple(a.mt_methods),
       diagnostics=a.diagnostics or a.diagnostics_only, decode=not a.diagnostics_only)
-  results = harness.run_sweep(model, cfg, progress=not a.no_progress)
+  os.makedirs(a.out, exist_ok=True)
+  partial_path = os.path.join(a.out, f"{a.name}.partial.json")
+
+  def save_partial(res):  # completed (task, length) groups, in case the run is interrupted
+    res = dict(res, command="python examples/evaluate.py " + " ".join(
+        sys.argv[1:] if argv is None else argv), partial=True)
+    report.save_json(res, partial_path)
+
+  results = harness.run_sweep(model, cfg, progress=not a.no_progress, on_group=save_partial)
+  if os.path.exists(partial_path):
+    os.remove(partial_path)
   results["timing"]["wall_s_including_load"] = time.perf_counter() - t0
   results["command"] = "python examples/evaluate.py " + " ".join(
       sys.argv[1:] if argv is None else argv)

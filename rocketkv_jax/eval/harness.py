@@ -195,7 +195,10 @@ def build_samples(model, cfg: SweepConfig) -> dict:
   return out
 
 
-def run_sweep(model, cfg: SweepConfig, *, progress: bool = True) -> dict[str, Any]:
+def run_sweep(model, cfg: SweepConfig, *, progress: bool = True,
+              on_group=None) -> dict[str, Any]:
+  """Runs the sweep; `on_group(partial_results)` is called after every (task, length) group
+  (e.g. to save a partial JSON that survives an interrupted run)."""
   if model.tokenizer is None:
     raise ValueError("the evaluation needs a model with a tokenizer (chat template)")
   tok = model.tokenizer
@@ -217,7 +220,15 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True) -> dict[str, An
   plans: dict[str, dict] = {}
   timing = dict(generate_samples_s=gen_s, prompt_pass_s=0.0, decode_s=0.0)
 
+  def partial():
+    out = dict(config=_config_dict(model, cfg), plans=plans, records=records, timing=timing)
+    if diag:
+      out["diagnostics"] = diag
+    return out
+
   for (task, length), (ss, mn, p) in groups.items():
+    if on_group is not None and records:
+      on_group(partial())
     if task == tasks_lib.MULTITURN_TASK:
       _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar)
       continue
@@ -257,10 +268,7 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True) -> dict[str, An
         bar.update(1, f"{task}@{length} {method}/{budget}")
   bar.close()
   timing["total_s"] = time.perf_counter() - t_start
-  out = dict(config=_config_dict(model, cfg), plans=plans, records=records, timing=timing)
-  if diag:
-    out["diagnostics"] = diag
-  return out
+  return partial()
 
 
 def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
