@@ -106,3 +106,16 @@ def test_attention_recall_exact_topk_is_the_upper_bound():
     r = rows[(m, 64)]
     assert r["read_recall"] <= best + 1e-5 and r["read_recall"] <= r["kept_recall"] + 1e-5
   assert rows[("rocketkv", 64)]["kept_recall"] > rows[("snapkv", 64)]["kept_recall"]
+
+
+def test_longbench_data_dir_through_the_sweep():
+  import dataclasses
+
+  data = os.path.join(os.path.dirname(__file__), "data", "longbench")
+  cfg = dataclasses.replace(CFG, tasks=(), data_dir=data, datasets=("hotpotqa",))
+  res = harness.run_sweep(tiny_model(), cfg, progress=False)  # same shapes as CFG: no compiles
+  recs = res["records"]
+  assert {(r["task"], r["method"]) for r in recs} == {("lb_hotpotqa", "full"),
+                                                      ("lb_hotpotqa", "rocketkv")}
+  assert len(recs) == 4 and recs[0]["answers"] == ["Marlow"]
+  assert "## lb_hotpotqa" in report.markdown(res)
