@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+import jax.numpy as jnp
+
 import rocketkv_jax as rocketkv
 import rocketkv_jax.models as M
 from model_fixtures import (PARITY_VARIANTS, hf_checkpoint, random_tokens, smollm2_ours,
@@ -46,6 +48,16 @@ def test_rocketkv_without_compression_matches_transformers_sliding_window():
                           max_new_tokens=16, eos_token_ids=())
   for prompt, got in zip(prompts, res.tokens):
     assert got == _hf_greedy(ref_model, prompt, 16)
+
+
+def test_bf16_generation_keeps_a_bf16_cache():
+  path, _ = hf_checkpoint("mistral_sw")
+  kw = dict(method="rocketkv", token_budget=256, max_new_tokens=16, eos_token_ids=())
+  fp32 = rocketkv.generate(M.load(path), _prompts(), **kw)  # compiled by the test above
+  bf16 = rocketkv.generate(M.load(path, dtype=jnp.bfloat16), _prompts(), **kw)
+  assert bf16.stats["new_tokens"] == [16, 16]
+  assert bf16.stats["kv_cache_bytes"] < 0.6 * fp32.stats["kv_cache_bytes"]
+  assert [t[0] for t in bf16.tokens] == [t[0] for t in fp32.tokens]
 
 
 @pytest.mark.parametrize("method", [m for m in rocketkv.METHODS if m != "full"])
