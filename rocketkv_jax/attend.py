@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -11,17 +13,29 @@ from rocketkv_jax.cache import KVCache, valid_slots
 from rocketkv_jax.select import check_query
 
 
-def _softmax_combine(qg, k, v, valid):
-  """qg [B, Hkv, G, D], k/v [B, Hkv, K, D], valid [B, Hkv, K] -> [B, Hkv, G, D] float32."""
+def _softmax_combine(qg, k, v, valid, k_extra=None, v_extra=None):
+  """qg [B, Hkv, G, D], k/v [B, Hkv, K, D], valid [B, Hkv, K] -> [B, Hkv, G, D] float32.
+
+  `k_extra, v_extra [B, Hkv, 1, D]`: one more (always valid) key / value, attended together
+  with the others without concatenating it into k / v.
+  """
   d = qg.shape[-1]
-  logits = jnp.einsum("bhkd,bhgd->bhgk", k, qg.astype(k.dtype), preferred_element_type=jnp.float32)
-  logits = logits * (1.0 / jnp.sqrt(jnp.float32(d)))
-  logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
+  scale = 1.0 / jnp.sqrt(jnp.float32(d))
+  dot = functools.partial(jnp.einsum, "bhkd,bhgd->bhgk", preferred_element_type=jnp.float32)
+  logits = jnp.where(valid[:, :, None, :], dot(k, qg.astype(k.dtype)) * scale, -jnp.inf)
   mx = jnp.max(logits, axis=-1, keepdims=True)
-  p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
-  denom = jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+  if k_extra is not None:
+    extra = dot(k_extra, qg.astype(k_extra.dtype)) * scale  # [B, Hkv, G, 1]
+    mx = jnp.maximum(mx, extra)
+  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  p = jnp.exp(logits - mx)
+  denom = jnp.sum(p, axis=-1, keepdims=True)
   out = jnp.einsum("bhgk,bhkd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return out / denom
+  if k_extra is not None:
+    p_extra = jnp.exp(extra - mx)
+    denom = denom + p_extra
+    out = out + p_extra * v_extra[:, :, 0][:, :, None, :].astype(jnp.float32)
+  return out / jnp.maximum(denom, 1e-30)
 
 
 def sparse_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, idx: jax.Array,
@@ -47,6 +61,29 @@ def dense_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Arr
   b, hq, d = q.shape
   hkv = k.shape[1]
   out = _softmax_combine(q.reshape(b, hkv, hq // hkv, d), k, v, valid)
+  return out.reshape(b, hq, d).astype(q.dtype)
+
+
+def attend_dense_before_append(q: jax.Array, cache: KVCache, k_new: jax.Array,
+                               v_new: jax.Array, *, sliding_window: int | None = None
+                               ) -> jax.Array:
+  """Dense attention of the token about to be appended: over the valid slots of `cache` (as it
+  is before `append(cache, k_new, v_new)`) plus the new token itself.
+
+  Same numbers as `attend(q, append(cache, k_new, v_new))`, but it reads the cache before the
+  append writes it, so a jitted step updates a donated cache in place (XLA:CPU otherwise copies
+  every K/V buffer each step). Returns [B, Hq, D] in q's dtype.
+  """
+  check_query(q, cache)
+  b, hq, d = q.shape
+  c, hkv = cache.capacity, cache.k.shape[1]
+  slot = jnp.arange(c)
+  valid = slot < cache.length[:, None]
+  valid = valid & ~((cache.length[:, None] >= c) & (slot == c - 1))  # full: slot overwritten
+  valid = jnp.broadcast_to(valid[:, None, :], cache.pos.shape)
+  if sliding_window is not None:
+    valid = valid & (cache.seen[:, None, None] - cache.pos < sliding_window)
+  out = _softmax_combine(q.reshape(b, hkv, hq // hkv, d), cache.k, cache.v, valid, k_new, v_new)
   return out.reshape(b, hq, d).astype(q.dtype)
 
 

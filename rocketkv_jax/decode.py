@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 
 from rocketkv_jax._checks import require
-from rocketkv_jax.attend import attend
+from rocketkv_jax.attend import attend, attend_dense_before_append
 from rocketkv_jax.cache import KVCache, append, append_with_patch, full_cache
 from rocketkv_jax.config import DENSE_METHODS, Plan
 from rocketkv_jax.evict import _check as _check_prefill
@@ -76,8 +76,8 @@ def decode_step(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache, plan: P
           f"q dtype {q.dtype} must match the cache dtype {cache.k.dtype} (or be float32)")
   old = cache
   cache, patch = append_with_patch(cache, k_new, v_new)
-  if plan.method in DENSE_METHODS:
-    return attend(q, cache, None, sliding_window=sliding_window, impl=impl), cache
+  if plan.method in DENSE_METHODS:  # read before the write: see attend_dense_before_append
+    return attend_dense_before_append(q, old, k_new, v_new, sliding_window=sliding_window), cache
   before = (old.kmin, old.kmax, patch) if patch is not None else None
   idx = select(q, cache, plan, sliding_window=sliding_window, impl=impl, before_append=before)
   return attend(q, cache, idx, sliding_window=sliding_window, impl=impl), cache
