@@ -28,7 +28,7 @@ def blockwise_causal_attention(
     v: jnp.ndarray,
     *,
     sliding_window: int | None = None,
-    block_size: int = 512,
+    block_size: int = 256,
 ) -> jnp.ndarray:
   """Causal GQA attention without an `[L, L]` matrix.
 
