@@ -146,7 +146,7 @@ def window_indices(lengths: jnp.ndarray, length: int, window: int) -> jnp.ndarra
 
 
 def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
-            config: ModelConfig, plan, block_size: int = 256):
+            config: ModelConfig, plan, block_size: int = 256, impl: str = "auto"):
   """Prompt pass that builds the compressed KV cache.
 
   Args:
@@ -156,6 +156,7 @@ def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
     config: static `ModelConfig`.
     plan: static `rocketkv.Plan` (chooses the KV method and its budget).
     block_size: static prefill attention tile.
+    impl: "auto" | "xla" | "pallas", passed to `rocketkv.prefill`.
 
   Returns:
     (logits `[B, V]` fp32 at each sequence's last valid token,
@@ -173,7 +174,7 @@ def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
     a = blockwise_causal_attention(
         q, k, v, sliding_window=config.sliding_window, block_size=block_size)
     q_window = jnp.take_along_axis(q, widx[:, None, :, None], axis=2)  # [B, Hq, W, Dh]
-    state = rocketkv.prefill(k, v, q_window, plan, lengths=lengths)
+    state = rocketkv.prefill(k, v, q_window, plan, lengths=lengths, impl=impl)
     x = _mlp_residual(lp, config, _attn_residual(lp, x, a))
     return x, state
 
@@ -184,7 +185,7 @@ def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
 
 
 def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarray, *,
-                config: ModelConfig, plan):
+                config: ModelConfig, plan, impl: str = "auto"):
   """The pure decode step `(params, cache, tokens, positions) -> (logits, cache)`.
 
   Args:
@@ -192,6 +193,7 @@ def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarr
     cache: the tuple of per-layer KV states from `prefill` (or a previous step).
     tokens: `[B]` int32 the token just sampled for each sequence.
     positions: `[B]` int32 its absolute position (lengths[b] + t for the t-th new token).
+    impl: "auto" | "xla" | "pallas", passed to `rocketkv.decode_step`.
 
   Returns:
     (logits `[B, V]` fp32 for the next token, updated cache).
@@ -206,7 +208,7 @@ def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarr
   for lp, state in zip(params["layers"], cache):  # unrolled: in-place weights and caches
     q, k, v = _qkv(lp, config, x, pos)
     out, state = rocketkv.decode_step(
-        q[:, :, 0], k, v, state, plan, sliding_window=config.sliding_window)
+        q[:, :, 0], k, v, state, plan, sliding_window=config.sliding_window, impl=impl)
     x = _mlp_residual(lp, config, _attn_residual(lp, x, out[:, :, None, :]))
     new_cache.append(state)
   return unembed(params, config, x[:, 0]), tuple(new_cache)

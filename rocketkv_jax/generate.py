@@ -100,15 +100,15 @@ def _stream_trampoline(step, tokens, done):
 
 # --------------------------------------------------------------------------- programs
 def _prefill_fn(params, tokens, lengths, key, temperature, top_p, *, config, plan, greedy,
-                block_size):
+                block_size, impl):
   logits, cache = llama.prefill(params, tokens, lengths, config=config, plan=plan,
-                                block_size=block_size)
+                                block_size=block_size, impl=impl)
   first = _sample(logits, jax.random.fold_in(key, 0), temperature, top_p, greedy)
   return first, cache
 
 
 def _decode_fn(params, cache, first, lengths, key, temperature, top_p, eos, *, config, plan,
-               greedy, max_new_tokens, stream):
+               greedy, max_new_tokens, stream, impl):
   b = first.shape[0]
   out = jnp.zeros((b, max_new_tokens), jnp.int32)
   is_eos = lambda t: jnp.any(t[:, None] == eos[None, :], axis=-1) if eos.shape[0] else \
@@ -131,7 +131,8 @@ def _decode_fn(params, cache, first, lengths, key, temperature, top_p, eos, *, c
   def body(carry):
     step, tok, out, done, cache = carry
     positions = lengths + step - 1  # the token being fed was generated at step - 1
-    logits, cache = llama.decode_step(params, cache, tok, positions, config=config, plan=plan)
+    logits, cache = llama.decode_step(params, cache, tok, positions, config=config, plan=plan,
+                                      impl=impl)
     nxt = _sample(logits, jax.random.fold_in(key, step), temperature, top_p, greedy)
     nxt = jnp.where(done, tok, nxt)
     out, done = emit(step, nxt, out, done)
@@ -216,6 +217,7 @@ def generate(
     stream: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
     rocket_config: "rocketkv.RocketConfig | None" = None,
     block_size: int = 256,
+    impl: str = "auto",
 ) -> GenerationResult:
   """Generates continuations of `prompts` with the KV method `method`.
 
@@ -234,6 +236,7 @@ def generate(
     stream: optional `fn(step, tokens [B], done [B])` called on the host for every step.
     rocket_config: a full `rocketkv.RocketConfig` (overrides method / token_budget).
     block_size: prefill attention tile.
+    impl: "auto" | "xla" | "pallas" for the core's hot path ("auto": Pallas kernels on GPU).
 
   Returns:
     `GenerationResult`.
@@ -278,7 +281,8 @@ def generate(
   pre_args = (model.params, tokens_j, lengths_j, key, temp, tp)
   pre_exe, pre_compile = _compiled(
       "prefill", _prefill_fn,
-      dict(config=config, plan=plan, greedy=greedy, block_size=block_size), (), pre_args)
+      dict(config=config, plan=plan, greedy=greedy, block_size=block_size, impl=impl), (),
+      pre_args)
   t0 = time.perf_counter()
   first, cache = pre_exe(*pre_args)
   first.block_until_ready()
@@ -291,7 +295,7 @@ def generate(
   dec_exe, dec_compile = _compiled(
       "decode", _decode_fn,
       dict(config=config, plan=plan, greedy=greedy, max_new_tokens=max_new_tokens,
-           stream=stream is not None), (1,), dec_args)
+           stream=stream is not None, impl=impl), (1,), dec_args)
   _STREAM[0] = stream
   try:
     t0 = time.perf_counter()
