@@ -39,7 +39,7 @@ NIAH_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 # Per-task generation length (answers plus a short preamble).
 MAX_NEW_TOKENS = {"passkey": 16, "niah_single": 24, "niah_multikey": 24, "niah_multivalue": 48,
-                  "niah_multiquery": 48, "vt": 32, "cwe": 48, "multiturn": 24}
+                  "niah_multiquery": 48, "vt": 32, "cwe": 48, "multiturn": 40}
 
 _SUBJECTS = ("The old fisherman", "A young painter", "The village council", "My neighbour",
              "The night train", "A curious fox", "The librarian", "Our grandmother",
