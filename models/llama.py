@@ -30,6 +30,8 @@ Entry points:
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import jax
@@ -205,10 +207,14 @@ def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarr
   x = params["embed"][tokens][:, None, :]  # [B, 1, D]
   pos = positions[:, None]
   new_cache = []
-  for lp, state in zip(params["layers"], cache):  # unrolled: in-place weights and caches
+  # Quest keeps its first two layers dense, as the Quest paper does (their attention is too flat
+  # for page bounds; its cache already holds every token, so only the attention changes).
+  dense = dataclasses.replace(plan, method="full")
+  for i, (lp, state) in enumerate(zip(params["layers"], cache)):  # unrolled: in-place caches
     q, k, v = _qkv(lp, config, x, pos)
+    layer_plan = dense if plan.method == "quest" and i < 2 else plan
     out, state = rocketkv.decode_step(
-        q[:, :, 0], k, v, state, plan, sliding_window=config.sliding_window, impl=impl)
+        q[:, :, 0], k, v, state, layer_plan, sliding_window=config.sliding_window, impl=impl)
     x = _mlp_residual(lp, config, _attn_residual(lp, x, out[:, :, None, :]))
     new_cache.append(state)
   return unembed(params, config, x[:, 0]), tuple(new_cache)
