@@ -39,6 +39,6 @@ from rocketkv_jax.select import select
 __all__ = [
     "KVCache", "METHODS", "MTState", "Plan", "RocketConfig", "append", "attend", "begin_turn",
     "cache_overflow", "chunk_summaries", "decode_step", "empty_cache", "evict", "extend",
-    "full_cache", "plan", "prefill", "select",
+    "full_cache", "generate", "plan", "prefill", "select",
 ]
 from rocketkv_jax.generate import generate

@@ -9,7 +9,6 @@ back for the next. Decode steps append every new token to both caches.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import struct
 
 from rocketkv_jax._checks import require

@@ -203,7 +203,6 @@ def make_sample(tokenizer, task: str, context_len: int, index: int, seed: int = 
   target = int(target_tokens or context_len)
   hay = _Haystack(tokenizer, rng, target)
   used: set = set()
-  meta: dict[str, Any] = {}
 
   if task == "passkey":
     depth = NIAH_DEPTHS[index % len(NIAH_DEPTHS)]
