@@ -1,7 +1,6 @@
 """`rocketkv.generate`: greedy parity with transformers' `generate`, every KV method, sampling,
 EOS, streaming, no recompilation, and the real SmolLM2 end to end."""
 
-import numpy as np
 import pytest
 import torch
 

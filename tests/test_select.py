@@ -2,7 +2,6 @@
 the same reference score mass as the reference top-k (slots of one chunk share a score)."""
 
 import numpy as np
-import jax
 import jax.numpy as jnp
 import pytest
 from hypothesis import given, settings
