@@ -27,8 +27,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 import rocketkv_jax.models as M  # noqa: E402
 from rocketkv_jax.eval import harness, report, tasks as tasks_lib  # noqa: E402
 
