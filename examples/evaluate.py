@@ -44,6 +44,8 @@ def main(argv=None):
   p.add_argument("--samples", type=int, default=20, help="per (task, length)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--batch-size", type=int, default=1)
+  p.add_argument("--quest-page-size", type=int, default=16,
+                 help="Quest's page size (16 as in the Quest paper)")
   p.add_argument("--max-new-tokens", type=int, default=None, help="default: per task")
   p.add_argument("--data-dir", default=None, help="LongBench-format *.jsonl directory")
   p.add_argument("--datasets", nargs="*", default=None, help="subset of --data-dir files")
@@ -74,7 +76,7 @@ def main(argv=None):
   cfg = harness.SweepConfig(
       tasks=tuple(a.tasks), context_lengths=tuple(a.lengths), methods=tuple(a.methods),
       budgets=tuple(a.budgets), samples=a.samples, seed=a.seed, batch_size=a.batch_size,
-      max_new_tokens=a.max_new_tokens, data_dir=a.data_dir,
+      max_new_tokens=a.max_new_tokens, quest_page_size=a.quest_page_size, data_dir=a.data_dir,
       datasets=tuple(a.datasets) if a.datasets else None, multiturn_methods=tuple(a.mt_methods),
       diagnostics=a.diagnostics or a.diagnostics_only, decode=not a.diagnostics_only)
   os.makedirs(a.out, exist_ok=True)

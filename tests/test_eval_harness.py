@@ -71,6 +71,14 @@ def test_runner_tokens_equal_generate(method):
   assert got == ref.tokens
 
 
+def test_quest_page_size_reaches_the_plan():
+  runner = Runner(tiny_model(), quest_page_size=4)
+  assert runner.plan("quest", 64, 100, 8).chunk_size == 4
+  assert Runner(tiny_model()).plan("quest", 64, 100, 8).chunk_size == 16
+  with pytest.raises(ValueError, match="quest_page_size"):
+    harness.SweepConfig(quest_page_size=0)
+
+
 def test_multiturn_scored_per_turn_and_full_matches_generate():
   model = tiny_model()
   cfg = harness.SweepConfig(tasks=("multiturn",), context_lengths=(1024,), budgets=(64,),

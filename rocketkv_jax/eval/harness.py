@@ -56,6 +56,7 @@ class SweepConfig:
   batch_size: int = 1
   max_new_tokens: int | None = None  # None: per task (tasks.MAX_NEW_TOKENS)
   window_size: int = 32
+  quest_page_size: int = 16  # Quest page (RocketConfig.page_size; 16 as in the Quest paper)
   data_dir: str | None = None
   datasets: tuple | None = None
   multiturn_methods: tuple = MT_METHODS
@@ -75,6 +76,8 @@ class SweepConfig:
                          f"{tasks_lib.TASKS + (tasks_lib.MULTITURN_TASK,)}")
     if self.samples < 1 or self.batch_size < 1:
       raise ValueError("samples and batch_size must be >= 1")
+    if self.quest_page_size < 1:
+      raise ValueError(f"quest_page_size must be >= 1, got {self.quest_page_size}")
 
 
 def _max_new(cfg: SweepConfig, task: str, metric: str | None = None) -> int:
@@ -202,7 +205,7 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True,
   if model.tokenizer is None:
     raise ValueError("the evaluation needs a model with a tokenizer (chat template)")
   tok = model.tokenizer
-  runner = Runner(model, window_size=cfg.window_size)
+  runner = Runner(model, window_size=cfg.window_size, quest_page_size=cfg.quest_page_size)
   t_start = time.perf_counter()
   groups = build_samples(model, cfg)
   gen_s = time.perf_counter() - t_start

@@ -256,6 +256,7 @@ class Runner:
     model: a `rocketkv.models.Model`.
     window_size: stage-1 observation window W (RocketConfig default 32).
     block_size: prefill attention tile.
+    quest_page_size: Quest's page size (`RocketConfig.page_size`).
     eos_token_ids: stop ids (default: the tokenizer's, else the config's).
     scan_layers: decode with a `lax.scan` over layers instead of `models.llama.decode_step`'s
       unrolled layers (slower on CPU, see `_scanned_decode_step`). Multi-turn continuation
@@ -263,8 +264,9 @@ class Runner:
   """
 
   def __init__(self, model, *, window_size: int = 32, block_size: int = 512,
-               eos_token_ids=None, scan_layers: bool = False):
+               eos_token_ids=None, scan_layers: bool = False, quest_page_size: int = 16):
     self.model = model
+    self.quest_page_size = int(quest_page_size)
     self.scan_layers = bool(scan_layers)
     self._futures = _FUTURES  # shared: executables take params as an argument
     self.config = model.config
@@ -281,7 +283,7 @@ class Runner:
   # ---------------------------------------------------------------- helpers
   def rocket_config(self, method: str, token_budget: int) -> "rocketkv.RocketConfig":
     return rocketkv.RocketConfig(token_budget=int(token_budget), method=method,
-                                 window_size=self.window_size)
+                                 window_size=self.window_size, page_size=self.quest_page_size)
 
   def plan(self, method: str, token_budget: int, prompt_len: int, max_new_tokens: int):
     return rocketkv.plan(self.rocket_config(method, token_budget), prompt_len, max_new_tokens,
