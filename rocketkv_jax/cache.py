@@ -13,6 +13,13 @@ bounds: the newest token replaces the one in the last slot (its chunk's min/max 
 bound), `length` stays at capacity and `overflow[b]` is set; read it with `cache_overflow`.
 `generate` turns it into an error on the host. (Overwriting rather than dropping keeps the write
 a plain in-place dynamic-update-slice, which XLA never turns into a whole-cache copy.)
+
+Storage: 16-bit float caches (bf16, f16) are stored as their uint16 bit patterns (`k_raw` etc.)
+and read through the `k, v, kmin, kmax` properties, which bitcast back (free inside a jit: the
+bitcast fuses into the gather or dot that reads it). XLA:CPU computes a bf16 dynamic-update-slice
+in f32 (convert the whole buffer, update, convert back), so a bf16 buffer costs a full pass per
+appended token; on the bit pattern the append is an in-place row write. Other dtypes are stored
+as they are.
 """
 
 from __future__ import annotations
@@ -25,37 +32,80 @@ from jax import lax
 from rocketkv_jax._checks import require, require_rank
 
 
+def _stored_as_bits(dtype) -> bool:
+  dtype = jnp.dtype(dtype)
+  return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
+
+
+def to_storage(x: jax.Array) -> jax.Array:
+  """The array as a cache stores it: 16-bit floats as uint16 bits, anything else unchanged."""
+  return lax.bitcast_convert_type(x, jnp.uint16) if _stored_as_bits(x.dtype) else x
+
+
+def from_storage(x: jax.Array, dtype) -> jax.Array:
+  """Inverse of `to_storage` for a cache of logical dtype `dtype`."""
+  dtype = jnp.dtype(dtype)
+  return lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
 @struct.dataclass
 class KVCache:
   """One layer's KV cache.
 
+  Read the keys and values through the properties (logical dtype); the `*_raw` leaves are the
+  storage (see the module doc).
+
+  Properties:
+    k, v: [B, Hkv, C, D] keys (post-RoPE) and values, in `dtype`.
+    kmin, kmax: [B, Hkv, NC, D] per-chunk min / max of the valid keys, in `dtype`.
   Attributes:
-    k, v: [B, Hkv, C, D] keys (post-RoPE) and values.
-    kmin, kmax: [B, Hkv, NC, D] per-chunk min / max of the valid keys.
+    k_raw, v_raw, kmin_raw, kmax_raw: their storage (uint16 bits for 16-bit floats).
     pos: [B, Hkv, C] int32 absolute token position held by each slot (-1: empty).
     length: [B] int32 valid slots per sequence.
     seen: [B] int32 tokens seen so far (= absolute position of the next token).
     overflow: [B] bool, True once an append found the sequence full.
     chunk_size: static, slots per summary chunk (0: no summaries are kept).
+    dtype_name: static, the logical dtype of k, v, kmin, kmax.
   """
 
-  k: jax.Array
-  v: jax.Array
-  kmin: jax.Array
-  kmax: jax.Array
+  k_raw: jax.Array
+  v_raw: jax.Array
+  kmin_raw: jax.Array
+  kmax_raw: jax.Array
   pos: jax.Array
   length: jax.Array
   seen: jax.Array
   overflow: jax.Array
   chunk_size: int = struct.field(pytree_node=False, default=1)
+  dtype_name: str = struct.field(pytree_node=False, default="float32")
+
+  @property
+  def dtype(self):
+    return jnp.dtype(self.dtype_name)
+
+  @property
+  def k(self) -> jax.Array:
+    return from_storage(self.k_raw, self.dtype)
+
+  @property
+  def v(self) -> jax.Array:
+    return from_storage(self.v_raw, self.dtype)
+
+  @property
+  def kmin(self) -> jax.Array:
+    return from_storage(self.kmin_raw, self.dtype)
+
+  @property
+  def kmax(self) -> jax.Array:
+    return from_storage(self.kmax_raw, self.dtype)
 
   @property
   def capacity(self) -> int:
-    return self.k.shape[2]
+    return self.k_raw.shape[2]
 
   @property
   def num_chunks(self) -> int:
-    return self.kmin.shape[2]
+    return self.kmin_raw.shape[2]
 
 
 def chunk_summaries(k: jax.Array, length: jax.Array, chunk_size: int):
@@ -100,11 +150,13 @@ def from_kept(k: jax.Array, v: jax.Array, pos: jax.Array, length: jax.Array,
   pos = jnp.pad(pos.astype(jnp.int32), ((0, 0), (0, 0), (0, capacity - n)))
   pos = jnp.where(valid[:, None, :], pos, -1)
   kmin, kmax = chunk_summaries(k, length, chunk_size)
-  return KVCache(k=k, v=v, kmin=kmin, kmax=kmax, pos=pos,
+  return KVCache(k_raw=to_storage(k), v_raw=to_storage(v), kmin_raw=to_storage(kmin),
+                 kmax_raw=to_storage(kmax), pos=pos,
                  # Distinct buffers, so that a donated cache never donates one buffer twice.
                  length=jnp.array(length, jnp.int32, copy=True),
                  seen=jnp.array(seen, jnp.int32, copy=True),
-                 overflow=jnp.zeros((b,), bool), chunk_size=chunk_size)
+                 overflow=jnp.zeros((b,), bool), chunk_size=chunk_size,
+                 dtype_name=jnp.dtype(k.dtype).name)
 
 
 def full_cache(k: jax.Array, v: jax.Array, capacity: int, chunk_size: int,
@@ -124,22 +176,24 @@ def empty_cache(batch: int, num_kv_heads: int, capacity: int, head_dim: int, dty
 
 
 def _check_new(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> None:
-  b, h, _, d = cache.k.shape
+  b, h, _, d = cache.k_raw.shape
   for name, x in (("k_new", k_new), ("v_new", v_new)):
     require_rank(name, x, 4, "[B, Hkv, 1, D]")
     require(x.shape == (b, h, 1, d),
             f"{name} must have shape [B, Hkv, 1, D] = {(b, h, 1, d)}, got {x.shape}")
-    require(x.dtype == cache.k.dtype,
-            f"{name} dtype {x.dtype} must match the cache dtype {cache.k.dtype}")
+    require(x.dtype == cache.dtype,
+            f"{name} dtype {x.dtype} must match the cache dtype {cache.dtype}")
 
 
 def _write_rows(buf: jax.Array, rows: jax.Array, index: jax.Array) -> jax.Array:
   """buf [B, H, N, ...], rows [B, H, ...]: buf[b, :, index[b]] = rows[b], index clamped to N-1.
+  `buf` is a storage array (`to_storage`); `rows` are converted to its storage.
 
   One dynamic-update-slice per sequence (B is static and small) and no read of `buf`, so XLA
   updates a donated buffer in place; a scatter, or a read of the old row, makes XLA:CPU copy the
   whole cache every step. Batches above 16 sequences use one scatter instead (compile size).
   """
+  rows = to_storage(rows)
   if buf.shape[0] > 16:
     bi = jnp.arange(buf.shape[0])
     return buf.at[bi, :, jnp.clip(index, 0, buf.shape[2] - 1)].set(rows.astype(buf.dtype))
@@ -161,9 +215,10 @@ class SummaryPatch:
   kmin: jax.Array
   kmax: jax.Array
 
-  def apply(self, kmin: jax.Array, kmax: jax.Array):
-    """The patched summaries (what `append` writes)."""
-    return _write_rows(kmin, self.kmin, self.chunk), _write_rows(kmax, self.kmax, self.chunk)
+  def apply(self, kmin_raw: jax.Array, kmax_raw: jax.Array):
+    """The patched summary storage (what `append` writes)."""
+    return (_write_rows(kmin_raw, self.kmin, self.chunk),
+            _write_rows(kmax_raw, self.kmax, self.chunk))
 
 
 def append_with_patch(cache: KVCache, k_new: jax.Array, v_new: jax.Array):
@@ -174,24 +229,25 @@ def append_with_patch(cache: KVCache, k_new: jax.Array, v_new: jax.Array):
   ok = cache.length < c
   slot = jnp.minimum(cache.length, c - 1)  # full: the newest token takes the last slot
   kn, vn = k_new[:, :, 0], v_new[:, :, 0]  # [B, Hkv, D]
-  k = _write_rows(cache.k, kn, slot)
-  kmin, kmax, patch = cache.kmin, cache.kmax, None
+  k_raw = _write_rows(cache.k_raw, kn, slot)
+  kmin_raw, kmax_raw, patch = cache.kmin_raw, cache.kmax_raw, None
   if cs > 0:
     # The chunk's min / max recomputed from its (at most chunk_size) rows of the updated keys:
     # no read of kmin / kmax before their write, so XLA updates them in place too.
     ci = slot // cs
     width = min(cs, c)
     start = jnp.minimum(ci * cs, c - width)
-    rows = jnp.stack([lax.dynamic_slice_in_dim(k[b], start[b], width, axis=1)
-                      for b in range(k.shape[0])])  # [B, Hkv, width, D]
+    rows = from_storage(jnp.stack([lax.dynamic_slice_in_dim(k_raw[b], start[b], width, axis=1)
+                                   for b in range(k_raw.shape[0])]), cache.dtype)  # [B,Hkv,w,D]
     j = start[:, None] + jnp.arange(width)
     in_chunk = ((j >= ci[:, None] * cs) & (j <= slot[:, None]))[:, None, :, None]
-    big = jnp.asarray(jnp.finfo(k.dtype).max, k.dtype)
+    big = jnp.asarray(jnp.finfo(cache.dtype).max, cache.dtype)
     patch = SummaryPatch(chunk=ci, kmin=jnp.min(jnp.where(in_chunk, rows, big), axis=2),
                          kmax=jnp.max(jnp.where(in_chunk, rows, -big), axis=2))
-    kmin, kmax = patch.apply(kmin, kmax)
+    kmin_raw, kmax_raw = patch.apply(kmin_raw, kmax_raw)
   seen = jnp.broadcast_to(cache.seen[:, None], cache.pos.shape[:2])
-  new = cache.replace(k=k, v=_write_rows(cache.v, vn, slot), kmin=kmin, kmax=kmax,
+  new = cache.replace(k_raw=k_raw, v_raw=_write_rows(cache.v_raw, vn, slot),
+                      kmin_raw=kmin_raw, kmax_raw=kmax_raw,
                       pos=_write_rows(cache.pos, seen, slot),
                       length=cache.length + ok.astype(jnp.int32), seen=cache.seen + 1,
                       overflow=cache.overflow | ~ok)
@@ -220,8 +276,8 @@ def extend(cache: KVCache, k: jax.Array, v: jax.Array,
   require(k.shape == v.shape and k.shape[:2] == cache.k.shape[:2] and d == cache.k.shape[3],
           f"k, v must have shape [B, Hkv, T, D] matching the cache {cache.k.shape}, "
           f"got {k.shape} and {v.shape}")
-  require(k.dtype == cache.k.dtype and v.dtype == cache.v.dtype,
-          f"k, v dtype must match the cache dtype {cache.k.dtype}")
+  require(k.dtype == cache.dtype and v.dtype == cache.dtype,
+          f"k, v dtype must match the cache dtype {cache.dtype}")
   c = cache.capacity
   lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
   i = jnp.arange(t)
@@ -229,14 +285,15 @@ def extend(cache: KVCache, k: jax.Array, v: jax.Array,
   ok = (i < lengths[:, None]) & (slot < c)
   slot_w = jnp.where(ok, slot, c)
   bi = jnp.arange(b)[:, None]
-  kk = cache.k.at[bi, :, slot_w].set(jnp.moveaxis(k, 2, 1), mode="drop")
-  vv = cache.v.at[bi, :, slot_w].set(jnp.moveaxis(v, 2, 1), mode="drop")
+  kk = cache.k_raw.at[bi, :, slot_w].set(to_storage(jnp.moveaxis(k, 2, 1)), mode="drop")
+  vv = cache.v_raw.at[bi, :, slot_w].set(to_storage(jnp.moveaxis(v, 2, 1)), mode="drop")
   newpos = jnp.broadcast_to((cache.seen[:, None] + i)[:, :, None], (b, t, h))
   pos = cache.pos.at[bi, :, slot_w].set(newpos, mode="drop")
   written = jnp.sum(ok, axis=1).astype(jnp.int32)
   length = cache.length + written
-  kmin, kmax = chunk_summaries(kk, length, cache.chunk_size)
-  return cache.replace(k=kk, v=vv, kmin=kmin, kmax=kmax, pos=pos, length=length,
+  kmin, kmax = chunk_summaries(from_storage(kk, cache.dtype), length, cache.chunk_size)
+  return cache.replace(k_raw=kk, v_raw=vv, kmin_raw=to_storage(kmin), kmax_raw=to_storage(kmax),
+                       pos=pos, length=length,
                        seen=cache.seen + lengths,
                        overflow=cache.overflow | (written < lengths))
 
