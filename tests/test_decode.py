@@ -272,3 +272,10 @@ def test_jitted_decode_step_updates_the_cache_in_place(dtype, method):
                                              else set())
   copies = [line for line in hlo.splitlines() if " copy(" in line and any(s in line for s in shapes)]
   assert copies == []
+  if dtype == jnp.bfloat16:
+    # XLA:CPU computes a bf16 dynamic-update-slice in f32, a pass over the whole buffer: the
+    # cache stores the bits (u16), so no top-level op may produce a bf16 / f32 cache buffer.
+    entry = hlo[hlo.index("\nENTRY"):].splitlines()
+    widened = [line for line in entry if any(f"= {t}{s}" in line for t in ("bf16", "f32")
+                                             for s in shapes)]
+    assert widened == []
