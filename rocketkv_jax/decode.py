@@ -78,6 +78,11 @@ def decode_step(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache, plan: P
   cache, patch = append_with_patch(cache, k_new, v_new)
   if plan.method in DENSE_METHODS:  # read before the write: see attend_dense_before_append
     return attend_dense_before_append(q, old, k_new, v_new, sliding_window=sliding_window), cache
-  before = (old.kmin, old.kmax, patch) if patch is not None else None
+  # Score from the summaries as they were before the append, patched (read before write): on
+  # XLA:CPU a dot that reads a buffer updated in place in the same step otherwise makes XLA copy
+  # the buffer. Caches stored as bits (16-bit floats) are read through a bitcast copy anyway,
+  # so they score from the appended cache directly (fewer ops).
+  bits = old.kmin_raw.dtype != old.kmin.dtype
+  before = (old.kmin, old.kmax, patch) if patch is not None and not bits else None
   idx = select(q, cache, plan, sliding_window=sliding_window, impl=impl, before_append=before)
   return attend(q, cache, idx, sliding_window=sliding_window, impl=impl), cache
