@@ -6,7 +6,9 @@ same number of valid slots, `length[b]`. Slots `>= length[b]` are padding (zeros
 
 `kmin, kmax [B, Hkv, NC, D]` (NC = ceil(C / chunk_size)) are the element-wise min / max of the
 valid keys of each chunk of `chunk_size` consecutive slots; a chunk without valid slots holds
-zeros (never +-inf, so a product with a zero query stays finite).
+zeros (never +-inf, so a product with a zero query stays finite). They are stored together,
+dim-major: `bounds [B, Hkv, 2D, NC]`, rows `d` = kmin[..., d] and `D + d` = kmax[..., d], so that
+stage 2 reads just the r rows it needs (one contiguous gather; see `select`).
 
 Full cache behaviour (documented contract): `append` on a full sequence never writes out of
 bounds: the newest token replaces the one in the last slot (its chunk's min/max stay a valid
@@ -15,7 +17,7 @@ bound), `length` stays at capacity and `overflow[b]` is set; read it with `cache
 a plain in-place dynamic-update-slice, which XLA never turns into a whole-cache copy.)
 
 Storage: 16-bit float caches (bf16, f16) are stored as their uint16 bit patterns (`k_raw` etc.)
-and read through the `k, v, kmin, kmax` properties, which bitcast back (free inside a jit: the
+and read through the `k, v, bounds, kmin, kmax` properties, which bitcast back (free inside a jit: the
 bitcast fuses into the gather or dot that reads it). XLA:CPU computes a bf16 dynamic-update-slice
 in f32 (convert the whole buffer, update, convert back), so a bf16 buffer costs a full pass per
 appended token; on the bit pattern the append is an in-place row write. Other dtypes are stored
@@ -58,20 +60,20 @@ class KVCache:
   Properties:
     k, v: [B, Hkv, C, D] keys (post-RoPE) and values, in `dtype`.
     kmin, kmax: [B, Hkv, NC, D] per-chunk min / max of the valid keys, in `dtype`.
+    bounds: [B, Hkv, 2D, NC] both, dim-major (kmin rows, then kmax rows), in `dtype`.
   Attributes:
-    k_raw, v_raw, kmin_raw, kmax_raw: their storage (uint16 bits for 16-bit floats).
+    k_raw, v_raw, bounds_raw: storage of k, v, bounds (uint16 bits for 16-bit floats).
     pos: [B, Hkv, C] int32 absolute token position held by each slot (-1: empty).
     length: [B] int32 valid slots per sequence.
     seen: [B] int32 tokens seen so far (= absolute position of the next token).
     overflow: [B] bool, True once an append found the sequence full.
     chunk_size: static, slots per summary chunk (0: no summaries are kept).
-    dtype_name: static, the logical dtype of k, v, kmin, kmax.
+    dtype_name: static, the logical dtype of k, v and the bounds.
   """
 
   k_raw: jax.Array
   v_raw: jax.Array
-  kmin_raw: jax.Array
-  kmax_raw: jax.Array
+  bounds_raw: jax.Array
   pos: jax.Array
   length: jax.Array
   seen: jax.Array
@@ -92,12 +94,16 @@ class KVCache:
     return from_storage(self.v_raw, self.dtype)
 
   @property
+  def bounds(self) -> jax.Array:
+    return from_storage(self.bounds_raw, self.dtype)
+
+  @property
   def kmin(self) -> jax.Array:
-    return from_storage(self.kmin_raw, self.dtype)
+    return jnp.swapaxes(self.bounds[:, :, :self.k_raw.shape[3]], 2, 3)
 
   @property
   def kmax(self) -> jax.Array:
-    return from_storage(self.kmax_raw, self.dtype)
+    return jnp.swapaxes(self.bounds[:, :, self.k_raw.shape[3]:], 2, 3)
 
   @property
   def capacity(self) -> int:
@@ -105,7 +111,7 @@ class KVCache:
 
   @property
   def num_chunks(self) -> int:
-    return self.kmin_raw.shape[2]
+    return self.bounds_raw.shape[3]
 
 
 def chunk_summaries(k: jax.Array, length: jax.Array, chunk_size: int):
@@ -135,6 +141,11 @@ def chunk_summaries(k: jax.Array, length: jax.Array, chunk_size: int):
   return jnp.where(any_valid, kmin, zero), jnp.where(any_valid, kmax, zero)
 
 
+def bounds_of(kmin: jax.Array, kmax: jax.Array) -> jax.Array:
+  """kmin, kmax [B, H, NC, D] -> bounds [B, H, 2D, NC] (the cache's summary layout)."""
+  return jnp.concatenate([jnp.swapaxes(kmin, 2, 3), jnp.swapaxes(kmax, 2, 3)], axis=2)
+
+
 def from_kept(k: jax.Array, v: jax.Array, pos: jax.Array, length: jax.Array,
               seen: jax.Array, capacity: int, chunk_size: int) -> KVCache:
   """Builds a cache from the kept rows `k, v [B, Hkv, N, D]` (valid ones first), N <= capacity.
@@ -150,8 +161,8 @@ def from_kept(k: jax.Array, v: jax.Array, pos: jax.Array, length: jax.Array,
   pos = jnp.pad(pos.astype(jnp.int32), ((0, 0), (0, 0), (0, capacity - n)))
   pos = jnp.where(valid[:, None, :], pos, -1)
   kmin, kmax = chunk_summaries(k, length, chunk_size)
-  return KVCache(k_raw=to_storage(k), v_raw=to_storage(v), kmin_raw=to_storage(kmin),
-                 kmax_raw=to_storage(kmax), pos=pos,
+  return KVCache(k_raw=to_storage(k), v_raw=to_storage(v),
+                 bounds_raw=to_storage(bounds_of(kmin, kmax)), pos=pos,
                  # Distinct buffers, so that a donated cache never donates one buffer twice.
                  length=jnp.array(length, jnp.int32, copy=True),
                  seen=jnp.array(seen, jnp.int32, copy=True),
@@ -185,73 +196,27 @@ def _check_new(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> None:
             f"{name} dtype {x.dtype} must match the cache dtype {cache.dtype}")
 
 
-def _write_rows(buf: jax.Array, rows: jax.Array, index: jax.Array) -> jax.Array:
-  """buf [B, H, N, ...], rows [B, H, ...]: buf[b, :, index[b]] = rows[b], index clamped to N-1.
+def _write_rows(buf: jax.Array, rows: jax.Array, index: jax.Array, axis: int = 2) -> jax.Array:
+  """Writes `rows` [B, H, ...] (buf's shape without `axis`) at position index[b] of `axis` of
+  sequence b: buf[b, :, index[b]] = rows[b] for axis 2; index clamped to the axis' size - 1.
   `buf` is a storage array (`to_storage`); `rows` are converted to its storage.
 
   One dynamic-update-slice per sequence (B is static and small) and no read of `buf`, so XLA
   updates a donated buffer in place; a scatter, or a read of the old row, makes XLA:CPU copy the
   whole cache every step. Batches above 16 sequences use one scatter instead (compile size).
   """
-  rows = to_storage(rows)
+  rows = jnp.expand_dims(to_storage(rows), axis).astype(buf.dtype)
+  index = jnp.clip(index, 0, buf.shape[axis] - 1)
   if buf.shape[0] > 16:
-    bi = jnp.arange(buf.shape[0])
-    return buf.at[bi, :, jnp.clip(index, 0, buf.shape[2] - 1)].set(rows.astype(buf.dtype))
-  tail = (0,) * (buf.ndim - 3)
+    # buf[bi, :, ..., index]: the advanced indices are split by slices, so the indexed view is
+    # [B, <the other dims in order>] = rows without `axis`.
+    at = (jnp.arange(buf.shape[0]),) + (slice(None),) * (axis - 1) + (index,)
+    return buf.at[at].set(jnp.squeeze(rows, axis))
   for b in range(buf.shape[0]):
-    buf = lax.dynamic_update_slice(buf, rows[b:b + 1, :, None].astype(buf.dtype),
-                                   (b, 0, index[b]) + tail)
+    start = [0] * buf.ndim
+    start[0], start[axis] = b, index[b]
+    buf = lax.dynamic_update_slice(buf, rows[b:b + 1], start)
   return buf
-
-
-@struct.dataclass
-class SummaryPatch:
-  """The summary rows an append rewrites: chunk `chunk[b]` of sequence b now has min / max
-  `kmin [B, Hkv, D]` / `kmax [B, Hkv, D]`. Lets a decode step score from the summaries as they
-  were before the append (read first, write last), which keeps XLA's in-place update copy-free.
-  """
-
-  chunk: jax.Array
-  kmin: jax.Array
-  kmax: jax.Array
-
-  def apply(self, kmin_raw: jax.Array, kmax_raw: jax.Array):
-    """The patched summary storage (what `append` writes)."""
-    return (_write_rows(kmin_raw, self.kmin, self.chunk),
-            _write_rows(kmax_raw, self.kmax, self.chunk))
-
-
-def append_with_patch(cache: KVCache, k_new: jax.Array, v_new: jax.Array):
-  """`append`, also returning the `SummaryPatch` it applied (None when the cache keeps no
-  summaries)."""
-  _check_new(cache, k_new, v_new)
-  c, cs = cache.capacity, cache.chunk_size
-  ok = cache.length < c
-  slot = jnp.minimum(cache.length, c - 1)  # full: the newest token takes the last slot
-  kn, vn = k_new[:, :, 0], v_new[:, :, 0]  # [B, Hkv, D]
-  k_raw = _write_rows(cache.k_raw, kn, slot)
-  kmin_raw, kmax_raw, patch = cache.kmin_raw, cache.kmax_raw, None
-  if cs > 0:
-    # The chunk's min / max recomputed from its (at most chunk_size) rows of the updated keys:
-    # no read of kmin / kmax before their write, so XLA updates them in place too.
-    ci = slot // cs
-    width = min(cs, c)
-    start = jnp.minimum(ci * cs, c - width)
-    rows = from_storage(jnp.stack([lax.dynamic_slice_in_dim(k_raw[b], start[b], width, axis=1)
-                                   for b in range(k_raw.shape[0])]), cache.dtype)  # [B,Hkv,w,D]
-    j = start[:, None] + jnp.arange(width)
-    in_chunk = ((j >= ci[:, None] * cs) & (j <= slot[:, None]))[:, None, :, None]
-    big = jnp.asarray(jnp.finfo(cache.dtype).max, cache.dtype)
-    patch = SummaryPatch(chunk=ci, kmin=jnp.min(jnp.where(in_chunk, rows, big), axis=2),
-                         kmax=jnp.max(jnp.where(in_chunk, rows, -big), axis=2))
-    kmin_raw, kmax_raw = patch.apply(kmin_raw, kmax_raw)
-  seen = jnp.broadcast_to(cache.seen[:, None], cache.pos.shape[:2])
-  new = cache.replace(k_raw=k_raw, v_raw=_write_rows(cache.v_raw, vn, slot),
-                      kmin_raw=kmin_raw, kmax_raw=kmax_raw,
-                      pos=_write_rows(cache.pos, seen, slot),
-                      length=cache.length + ok.astype(jnp.int32), seen=cache.seen + 1,
-                      overflow=cache.overflow | ~ok)
-  return new, patch
 
 
 def append(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
@@ -264,7 +229,32 @@ def append(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
     The new cache. A full sequence overwrites its last slot and sets `overflow[b]` (see module
     doc).
   """
-  return append_with_patch(cache, k_new, v_new)[0]
+  _check_new(cache, k_new, v_new)
+  c, cs = cache.capacity, cache.chunk_size
+  ok = cache.length < c
+  slot = jnp.minimum(cache.length, c - 1)  # full: the newest token takes the last slot
+  kn, vn = k_new[:, :, 0], v_new[:, :, 0]  # [B, Hkv, D]
+  k_raw = _write_rows(cache.k_raw, kn, slot)
+  bounds_raw = cache.bounds_raw
+  if cs > 0:
+    # The chunk's min / max recomputed from its (at most chunk_size) rows of the updated keys:
+    # no read of the bounds before their write, so XLA updates them in place too.
+    ci = slot // cs
+    width = min(cs, c)
+    start = jnp.minimum(ci * cs, c - width)
+    rows = from_storage(jnp.stack([lax.dynamic_slice_in_dim(k_raw[b], start[b], width, axis=1)
+                                   for b in range(k_raw.shape[0])]), cache.dtype)  # [B,Hkv,w,D]
+    j = start[:, None] + jnp.arange(width)
+    in_chunk = ((j >= ci[:, None] * cs) & (j <= slot[:, None]))[:, None, :, None]
+    big = jnp.asarray(jnp.finfo(cache.dtype).max, cache.dtype)
+    col = jnp.concatenate([jnp.min(jnp.where(in_chunk, rows, big), axis=2),
+                           jnp.max(jnp.where(in_chunk, rows, -big), axis=2)], axis=-1)
+    bounds_raw = _write_rows(bounds_raw, col, ci, axis=3)  # column ci of [B, Hkv, 2D, NC]
+  seen = jnp.broadcast_to(cache.seen[:, None], cache.pos.shape[:2])
+  return cache.replace(k_raw=k_raw, v_raw=_write_rows(cache.v_raw, vn, slot),
+                       bounds_raw=bounds_raw, pos=_write_rows(cache.pos, seen, slot),
+                       length=cache.length + ok.astype(jnp.int32), seen=cache.seen + 1,
+                       overflow=cache.overflow | ~ok)
 
 
 def extend(cache: KVCache, k: jax.Array, v: jax.Array,
@@ -292,7 +282,7 @@ def extend(cache: KVCache, k: jax.Array, v: jax.Array,
   written = jnp.sum(ok, axis=1).astype(jnp.int32)
   length = cache.length + written
   kmin, kmax = chunk_summaries(from_storage(kk, cache.dtype), length, cache.chunk_size)
-  return cache.replace(k_raw=kk, v_raw=vv, kmin_raw=to_storage(kmin), kmax_raw=to_storage(kmax),
+  return cache.replace(k_raw=kk, v_raw=vv, bounds_raw=to_storage(bounds_of(kmin, kmax)),
                        pos=pos, length=length,
                        seen=cache.seen + lengths,
                        overflow=cache.overflow | (written < lengths))

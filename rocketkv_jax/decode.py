@@ -13,7 +13,7 @@ import jax
 
 from rocketkv_jax._checks import require
 from rocketkv_jax.attend import attend, attend_dense_before_append
-from rocketkv_jax.cache import KVCache, append, append_with_patch, full_cache
+from rocketkv_jax.cache import KVCache, append, full_cache
 from rocketkv_jax.config import DENSE_METHODS, Plan
 from rocketkv_jax.evict import _check as _check_prefill
 from rocketkv_jax.evict import evict, evict_streaming
@@ -74,15 +74,10 @@ def decode_step(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache, plan: P
   check_query(q, cache)
   require(q.dtype == cache.k.dtype or q.dtype == jax.numpy.float32,
           f"q dtype {q.dtype} must match the cache dtype {cache.k.dtype} (or be float32)")
-  old = cache
-  cache, patch = append_with_patch(cache, k_new, v_new)
+  new = append(cache, k_new, v_new)
   if plan.method in DENSE_METHODS:  # read before the write: see attend_dense_before_append
-    return attend_dense_before_append(q, old, k_new, v_new, sliding_window=sliding_window), cache
-  # Score from the summaries as they were before the append, patched (read before write): on
-  # XLA:CPU a dot that reads a buffer updated in place in the same step otherwise makes XLA copy
-  # the buffer. Caches stored as bits (16-bit floats) are read through a bitcast copy anyway,
-  # so they score from the appended cache directly (fewer ops).
-  bits = old.kmin_raw.dtype != old.kmin.dtype
-  before = (old.kmin, old.kmax, patch) if patch is not None and not bits else None
-  idx = select(q, cache, plan, sliding_window=sliding_window, impl=impl, before_append=before)
-  return attend(q, cache, idx, sliding_window=sliding_window, impl=impl), cache
+    return attend_dense_before_append(q, cache, k_new, v_new, sliding_window=sliding_window), new
+  # Selection and attention read the cache after the append: reads after an in-place write
+  # need no copy (16-bit caches are stored as bits so that the write is in place: cache.py).
+  idx = select(q, new, plan, sliding_window=sliding_window, impl=impl)
+  return attend(q, new, idx, sliding_window=sliding_window, impl=impl), new

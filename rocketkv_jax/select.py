@@ -21,17 +21,8 @@ from jax import lax
 
 from rocketkv_jax import _impl
 from rocketkv_jax._checks import group_size, require, require_rank
-from rocketkv_jax.cache import KVCache, SummaryPatch, valid_slots
+from rocketkv_jax.cache import KVCache, bounds_of, valid_slots
 from rocketkv_jax.config import DENSE_METHODS, Plan
-
-
-def _patched(logits: jax.Array, patch: SummaryPatch | None, score_rows) -> jax.Array:
-  """logits [B, Hkv, G, NC] with chunk patch.chunk[b] re-scored from the patch rows."""
-  if patch is None:
-    return logits
-  row = score_rows(patch.kmin, patch.kmax)  # [B, Hkv, G, 1]
-  at = (jnp.arange(logits.shape[-1]) == patch.chunk[:, None])[:, None, None, :]
-  return jnp.where(at, row, logits)
 
 
 def _chunk_valid(length: jax.Array, num_chunks: int, chunk_size: int) -> jax.Array:
@@ -50,9 +41,42 @@ def _group_softmax_sum(logits: jax.Array, chunk_ok: jax.Array) -> jax.Array:
   return functools.reduce(jnp.add, [p[:, :, i] for i in range(p.shape[2])])
 
 
+def approx_bounds_scores_xla(q: jax.Array, bounds: jax.Array, length: jax.Array,
+                             chunk_size: int, r: int) -> jax.Array:
+  """`approx_chunk_scores_xla` on the cache's summary layout.
+
+  Reads only the r rows it needs: dim d's kmax row (d + D) where the group-summed q_d > 0, else
+  its kmin row (d): one gather of r contiguous rows of NC values per KV head, then a small
+  [G, r] x [r, NC] product (on XLA:CPU ~2x faster than masked products over all 2D rows).
+
+  Args:
+    q: [B, Hq, D] decode query (post-RoPE).
+    bounds: [B, Hkv, 2D, NC] chunk summaries (`KVCache.bounds`: kmin rows, then kmax rows).
+    length, chunk_size, r: as in `approx_chunk_scores_xla`.
+  Returns:
+    [B, Hkv, NC] float32 group-summed softmax scores; 0 for chunks with no valid slot.
+  """
+  b, hq, d = q.shape
+  hkv, nc = bounds.shape[1], bounds.shape[3]
+  g = hq // hkv
+  qg = q.reshape(b, hkv, g, d).astype(jnp.float32)
+  qabs = jnp.abs(qg)
+  _, ridx = lax.top_k(jnp.sum(qabs, axis=2), r)  # [B, Hkv, r]
+  pos = jnp.take_along_axis(jnp.sum(qg, axis=2) > 0, ridx, axis=-1)  # sign of the group sum
+  rows = ridx + d * pos.astype(ridx.dtype)  # [B, Hkv, r] rows of bounds
+  q_r = jnp.take_along_axis(qg, ridx[:, :, None, :], axis=-1)  # [B, Hkv, G, r]
+  # 1 / sqrt(D * sum|q_r| / sum|q|) (SparQ's temperature correction), folded into q_r.
+  frac = jnp.sum(jnp.abs(q_r), axis=-1) / jnp.maximum(jnp.sum(qabs, axis=-1), 1e-30)
+  q_r = q_r * lax.rsqrt(jnp.float32(d) * jnp.where(frac > 0, frac, 1.0))[..., None]
+  # The gathered rows in fp32 (the convert fuses into the gather): XLA:CPU has no bf16 x bf16
+  # -> f32 kernel for every dot shape.
+  k_r = jnp.take_along_axis(bounds, rows[..., None], axis=2).astype(jnp.float32)  # [B,Hkv,r,NC]
+  logits = jnp.einsum("bhgr,bhrc->bhgc", q_r, k_r)
+  return _group_softmax_sum(logits, _chunk_valid(length, nc, chunk_size))
+
+
 def approx_chunk_scores_xla(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: jax.Array,
-                            chunk_size: int, r: int, patch: SummaryPatch | None = None
-                            ) -> jax.Array:
+                            chunk_size: int, r: int) -> jax.Array:
   """RocketKV / SparQ approximate scores per chunk.
 
   Args:
@@ -61,54 +85,33 @@ def approx_chunk_scores_xla(q: jax.Array, kmin: jax.Array, kmax: jax.Array, leng
     length: [B] valid slots.
     chunk_size: slots per chunk.
     r: head dims kept.
-    patch: summary rows to use instead of those in kmin / kmax (see `SummaryPatch`).
   Returns:
     [B, Hkv, NC] float32 group-summed softmax scores; 0 for chunks with no valid slot.
   """
-  b, hq, d = q.shape
-  hkv, nc = kmin.shape[1], kmin.shape[2]
-  g = hq // hkv
-  qg = q.reshape(b, hkv, g, d).astype(jnp.float32)
-  qabs = jnp.abs(qg)
-  _, ridx = lax.top_k(jnp.sum(qabs, axis=2), r)  # [B, Hkv, r]
-  keep = jnp.any(ridx[..., None] == jnp.arange(d), axis=-2)[:, :, None, :]  # [B, Hkv, 1, D]
-  pos = (jnp.sum(qg, axis=2) > 0)[:, :, None, :]  # sign of the group-summed q
-  # Dense masked products instead of gathering r dims: on CPU and GPU a [NC, D] matmul beats a
-  # gather of r columns. Dims outside the top r get a zero weight.
-  q_hi = jnp.where(keep & pos, qg, 0.0).astype(kmax.dtype)
-  q_lo = jnp.where(keep & ~pos, qg, 0.0).astype(kmin.dtype)
-  # Summaries as the left operand and the product in [NC, G] order ([NC, D] x [D, G]): the
-  # layout XLA:CPU multiplies fastest (~1.5x faster than producing [G, NC] directly).
-  def dot(k, q):
-    out = jnp.einsum("bhcd,bhgd->bhcg", k, q, preferred_element_type=jnp.float32)
-    return jnp.swapaxes(out, -1, -2)
+  return approx_bounds_scores_xla(q, bounds_of(kmin, kmax), length, chunk_size, r)
 
-  logits = dot(kmax, q_hi) + dot(kmin, q_lo)
-  logits = _patched(logits, patch, lambda lo, hi: dot(hi[:, :, None], q_hi) + dot(lo[:, :, None],
-                                                                                 q_lo))
-  q_r_abs = jnp.sum(jnp.where(keep, qabs, 0.0), axis=-1)
-  frac = q_r_abs / jnp.maximum(jnp.sum(qabs, axis=-1), 1e-30)
-  scale = lax.rsqrt(jnp.float32(d) * jnp.where(frac > 0, frac, 1.0))  # [B, Hkv, G]
-  logits = logits * scale[..., None]
+
+def quest_bounds_scores_xla(q: jax.Array, bounds: jax.Array, length: jax.Array,
+                            chunk_size: int) -> jax.Array:
+  """`quest_chunk_scores_xla` on the cache's summary layout `bounds [B, Hkv, 2D, NC]`.
+
+  Since kmax >= kmin, sum_d max(q_d kmin_d, q_d kmax_d) = min(q, 0) . kmin + max(q, 0) . kmax:
+  one [G, 2D] x [2D, NC] product per KV head.
+  """
+  b, hq, d = q.shape
+  hkv, nc = bounds.shape[1], bounds.shape[3]
+  qg = q.reshape(b, hkv, hq // hkv, d).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
+  q2 = jnp.concatenate([jnp.minimum(qg, 0.0), jnp.maximum(qg, 0.0)], axis=-1)  # [B, Hkv, G, 2D]
+  logits = jnp.einsum("bhgd,bhdc->bhgc", q2, bounds.astype(jnp.float32))
   return _group_softmax_sum(logits, _chunk_valid(length, nc, chunk_size))
 
 
 def quest_chunk_scores_xla(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: jax.Array,
-                           chunk_size: int, patch: SummaryPatch | None = None) -> jax.Array:
+                           chunk_size: int) -> jax.Array:
   """Quest's per-page upper bound sum_d max(q_d kmin_d, q_d kmax_d) for every query head,
-  softmax over pages (scale 1/sqrt(D)) and summed over the group. -> [B, Hkv, NC]."""
-  b, hq, d = q.shape
-  hkv, nc = kmin.shape[1], kmin.shape[2]
-  qg = q.reshape(b, hkv, hq // hkv, d).astype(jnp.float32)
-
-  def bound(kmin, kmax):  # [B, Hkv, N, D] -> [B, Hkv, G, N]
-    lo = jnp.einsum("bhgd,bhcd->bhgcd", qg, kmin.astype(jnp.float32))
-    hi = jnp.einsum("bhgd,bhcd->bhgcd", qg, kmax.astype(jnp.float32))
-    return jnp.sum(jnp.maximum(lo, hi), axis=-1) / jnp.sqrt(jnp.float32(d))
-
-  logits = _patched(bound(kmin, kmax), patch,
-                    lambda lo, hi: bound(lo[:, :, None], hi[:, :, None]))
-  return _group_softmax_sum(logits, _chunk_valid(length, nc, chunk_size))
+  softmax over pages (scale 1/sqrt(D)) and summed over the group. kmin, kmax [B, Hkv, NC, D]
+  -> [B, Hkv, NC]."""
+  return quest_bounds_scores_xla(q, bounds_of(kmin, kmax), length, chunk_size)
 
 
 def exact_slot_scores_xla(q: jax.Array, k: jax.Array, valid: jax.Array) -> jax.Array:
@@ -178,7 +181,7 @@ def check_query(q: jax.Array, cache: KVCache, name: str = "q") -> None:
 
 
 def select(q: jax.Array, cache: KVCache, plan: Plan, *, sliding_window: int | None = None,
-           impl: str = "auto", before_append: tuple | None = None) -> jax.Array:
+           impl: str = "auto") -> jax.Array:
   """Stage 2: the slots each KV head attends to.
 
   Args:
@@ -187,9 +190,6 @@ def select(q: jax.Array, cache: KVCache, plan: Plan, *, sliding_window: int | No
     plan: from `rocketkv.plan`; `plan.method` chooses the scoring.
     sliding_window: Mistral v0.1 window, or None.
     impl: "auto" | "xla" | "pallas" for the approximate scoring.
-    before_append: optional (kmin, kmax, SummaryPatch) from just before `cache`'s last append;
-      the XLA path then scores from those (same numbers) so that a jitted decode step reads the
-      summaries before writing them (no whole-buffer copies on XLA:CPU).
   Returns:
     int32 [B, Hkv, K] slot indices, K = min(plan.top_k, C) (K = C for dense methods). Only valid
     slots are picked while there are enough of them; when K >= valid slots every valid slot is
@@ -209,18 +209,14 @@ def select(q: jax.Array, cache: KVCache, plan: Plan, *, sliding_window: int | No
     return top_slots(exact_slot_scores_xla(q, cache.k, valid), valid, 1, k)
   require(plan.chunk_size == cache.chunk_size,
           f"plan.chunk_size={plan.chunk_size} must match the cache's {cache.chunk_size}")
-  kmin, kmax, patch = before_append if before_append is not None else (cache.kmin, cache.kmax,
-                                                                       None)
   which, interpret = _impl.resolve(impl)
   if m == "quest":
-    chunk = quest_chunk_scores_xla(q, kmin, kmax, cache.length, cache.chunk_size, patch)
+    chunk = quest_bounds_scores_xla(q, cache.bounds, cache.length, cache.chunk_size)
+  elif which == "pallas":
+    from rocketkv_jax import kernels
+    chunk = kernels.approx_chunk_scores(q, cache.kmin, cache.kmax, cache.length,
+                                        chunk_size=cache.chunk_size, r=plan.r,
+                                        interpret=interpret)
   else:
-    if which == "pallas":
-      from rocketkv_jax import kernels
-      chunk = kernels.approx_chunk_scores(q, cache.kmin, cache.kmax, cache.length,
-                                          chunk_size=cache.chunk_size, r=plan.r,
-                                          interpret=interpret)
-    else:
-      chunk = approx_chunk_scores_xla(q, kmin, kmax, cache.length, cache.chunk_size, plan.r,
-                                      patch)
+    chunk = approx_bounds_scores_xla(q, cache.bounds, cache.length, cache.chunk_size, plan.r)
   return top_slots(chunk, valid, cache.chunk_size, k)
