@@ -5,11 +5,13 @@ over the group; per kept dim take the chunk's kmax where the group-summed q is p
 its kmin; logit = q_r . k_bound_r scaled by 1/sqrt(D * sum|q_r| / sum|q|) per query head;
 softmax over the valid chunks per query head; sum over the group.
 
-The top-r dims are picked in XLA (`lax.top_k` over [B, Hkv, D], tiny) and folded into two
-zero-masked queries, q_hi (kept dims where the sign picks kmax) and q_lo (the others), so the
-kernel computes q_hi . kmax + q_lo . kmin with two dense dots instead of gathering columns.
-Grid: (batch, KV head); the chunk axis is walked in blocks twice (online max / sum, then the
-normalised, group-summed scores), so no [G, NC] matrix is ever held whole.
+The summaries come in the cache's layout, `bounds [B, Hkv, 2D, NC]` (kmin rows, then kmax rows,
+see `rocketkv_jax.cache`). The top-r dims are picked in XLA (`lax.top_k` over [B, Hkv, D], tiny)
+and folded into two zero-masked queries, q_hi (kept dims where the sign picks kmax) and q_lo
+(the others), so the kernel computes q_hi . kmax + q_lo . kmin with two dense [G, D] x [D, bc]
+dots on column blocks of the bounds. Grid: (batch, KV head); the chunk axis is walked in blocks
+twice (online max / sum, then the normalised, group-summed scores), so no [G, NC] matrix is ever
+held whole.
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ from ._util import (NEG_INF, cdiv, check, check_rank, compiler_params, dot_preci
                     next_pow2, padded_dim, safe_max)
 
 
-def _kernel(len_ref, qhi_ref, qlo_ref, scale_ref, kmin_ref, kmax_ref, o_ref, *, chunk_size: int,
+def _kernel(len_ref, qhi_ref, qlo_ref, scale_ref, b_ref, o_ref, *, chunk_size: int,
             num_chunks: int, group: int, block_c: int):
-  """qhi/qlo [Gp, Dp] f32, scale [Gp], kmin/kmax [NC, Dp], o [NCp] f32."""
+  """qhi/qlo [Gp, Dp] f32, scale [Gp], bounds [2Dp, NC] (kmin rows, kmax rows), o [NCp] f32."""
   qhi = qhi_ref[...]
   qlo = qlo_ref[...]
   scale = scale_ref[...]
-  gp = qhi.shape[0]
+  gp, dp = qhi.shape
   n_valid = jnp.minimum(cdiv_dyn(len_ref[()], chunk_size), num_chunks)  # chunks with a slot
   row_ok = jnp.arange(gp) < group
   prec = dot_precision(jnp.float32)
@@ -40,11 +42,11 @@ def _kernel(len_ref, qhi_ref, qlo_ref, scale_ref, kmin_ref, kmax_ref, o_ref, *, 
   def logits(i):
     cpos = i * block_c + jnp.arange(block_c)
     ok = cpos < n_valid
-    rows = pl.ds(i * block_c, block_c)
-    kmx = plgpu.load(kmax_ref.at[rows, :], mask=ok[:, None], other=0).astype(jnp.float32)
-    kmn = plgpu.load(kmin_ref.at[rows, :], mask=ok[:, None], other=0).astype(jnp.float32)
-    s = (plgpu.dot(qhi, kmx, trans_b=True, precision=prec)
-         + plgpu.dot(qlo, kmn, trans_b=True, precision=prec)) * scale[:, None]  # [Gp, bc]
+    cols = pl.ds(i * block_c, block_c)
+    kmn = plgpu.load(b_ref.at[pl.ds(0, dp), cols], mask=ok[None, :], other=0)
+    kmx = plgpu.load(b_ref.at[pl.ds(dp, dp), cols], mask=ok[None, :], other=0)
+    s = (plgpu.dot(qhi, kmx.astype(jnp.float32), precision=prec)
+         + plgpu.dot(qlo, kmn.astype(jnp.float32), precision=prec)) * scale[:, None]  # [Gp, bc]
     return jnp.where(ok[None, :], s, NEG_INF), ok
 
   def stats(i, carry):
@@ -75,14 +77,13 @@ def cdiv_dyn(a, b: int):
   return (a + (b - 1)) // b
 
 
-def _check(q, kmin, kmax, length, chunk_size, r):
+def _check(q, bounds, length, chunk_size, r):
   check_rank("q", q, 3, "[B, Hq, D]")
-  check_rank("kmin", kmin, 4, "[B, Hkv, NC, D]")
-  check(kmin.shape == kmax.shape,
-        f"kmin and kmax must have the same shape, got {kmin.shape} and {kmax.shape}")
-  b, hkv, nc, d = kmin.shape
-  check(q.shape[0] == b and q.shape[2] == d,
-        f"q must have shape [B={b}, Hq, D={d}], got {q.shape}")
+  check_rank("bounds", bounds, 4, "[B, Hkv, 2D, NC]")
+  b, hkv, d2, nc = bounds.shape
+  d = q.shape[2]
+  check(q.shape[0] == b and d2 == 2 * d,
+        f"q [B, Hq, D] and bounds [B, Hkv, 2D, NC] disagree: {q.shape} and {bounds.shape}")
   check(q.shape[1] % hkv == 0 and q.shape[1] > 0,
         f"q heads Hq={q.shape[1]} must be a positive multiple of the KV heads Hkv={hkv}")
   check(getattr(length, "shape", None) == (b,),
@@ -90,19 +91,20 @@ def _check(q, kmin, kmax, length, chunk_size, r):
   check(isinstance(chunk_size, int) and chunk_size >= 1,
         f"chunk_size must be an int >= 1, got {chunk_size!r}")
   check(isinstance(r, int) and 1 <= r <= d, f"r must be an int in [1, D={d}], got {r!r}")
-  check(nc >= 1, "kmin / kmax must hold at least one chunk")
+  check(nc >= 1, "the bounds must hold at least one chunk")
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "r", "interpret", "block_c",
                                              "num_warps", "num_stages"))
-def approx_chunk_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: jax.Array, *,
-                        chunk_size: int, r: int, interpret: bool = False, block_c: int = 64,
-                        num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+def approx_bounds_scores(q: jax.Array, bounds: jax.Array, length: jax.Array, *,
+                         chunk_size: int, r: int, interpret: bool = False, block_c: int = 64,
+                         num_warps: int = 4, num_stages: int = 2) -> jax.Array:
   """Group-summed softmax of RocketKV's approximate chunk logits.
 
   Args:
     q: [B, Hq, D] decode query (post-RoPE).
-    kmin, kmax: [B, Hkv, NC, D] per-chunk key min / max (bf16 or fp32).
+    bounds: [B, Hkv, 2D, NC] per-chunk key min rows then max rows (`KVCache.bounds`; bf16 or
+      fp32).
     length: [B] int32 valid slots; chunk c is valid when c * chunk_size < length.
     chunk_size: slots per chunk (static).
     r: head dims kept (static).
@@ -113,11 +115,11 @@ def approx_chunk_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: 
     [B, Hkv, NC] float32; 0 for chunks with no valid slot. Equals
     `rocketkv_jax.select.approx_chunk_scores_xla`.
   """
-  _check(q, kmin, kmax, length, chunk_size, r)
+  _check(q, bounds, length, chunk_size, r)
   check(block_c >= 16 and block_c == next_pow2(block_c),
         f"block_c must be a power of two >= 16, got {block_c}")
   b, hq, d = q.shape
-  hkv, nc = kmin.shape[1], kmin.shape[2]
+  hkv, nc = bounds.shape[1], bounds.shape[3]
   g = hq // hkv
   gp, dp = padded_dim(g), padded_dim(d)
 
@@ -134,21 +136,38 @@ def approx_chunk_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: 
   q_lo = jnp.pad(jnp.where(hi, 0.0, q_r), pad_q)
   scale = jnp.pad(scale, ((0, 0), (0, 0), (0, gp - g)))
   if dp != d:  # head dim not a power of two >= 16: padded copy of the summaries
-    pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))
-    kmin, kmax = jnp.pad(kmin, pad), jnp.pad(kmax, pad)
+    pad = ((0, 0), (0, 0), (0, dp - d), (0, 0))
+    bounds = jnp.concatenate([jnp.pad(bounds[:, :, :d], pad), jnp.pad(bounds[:, :, d:], pad)],
+                             axis=2)
 
   bc = max(16, min(block_c, next_pow2(nc)))
   ncp = cdiv(nc, bc) * bc
   kernel = functools.partial(_kernel, chunk_size=chunk_size, num_chunks=nc, group=g, block_c=bc)
   q_spec = pl.BlockSpec((None, None, gp, dp), lambda i, h: (i, h, 0, 0))
-  k_spec = pl.BlockSpec((None, None, nc, dp), lambda i, h: (i, h, 0, 0))
+  b_spec = pl.BlockSpec((None, None, 2 * dp, nc), lambda i, h: (i, h, 0, 0))
   out = pl.pallas_call(
       kernel, grid=(b, hkv),
       in_specs=[pl.BlockSpec((None,), lambda i, h: (i,)), q_spec, q_spec,
-                pl.BlockSpec((None, None, gp), lambda i, h: (i, h, 0)), k_spec, k_spec],
+                pl.BlockSpec((None, None, gp), lambda i, h: (i, h, 0)), b_spec],
       out_specs=pl.BlockSpec((None, None, ncp), lambda i, h: (i, h, 0)),
       out_shape=jax.ShapeDtypeStruct((b, hkv, ncp), jnp.float32),
       compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
       name="rocketkv_approx_chunk_scores",
-  )(length.astype(jnp.int32), q_hi, q_lo, scale, kmin, kmax)
+  )(length.astype(jnp.int32), q_hi, q_lo, scale, bounds)
   return out[:, :, :nc]
+
+
+def approx_chunk_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: jax.Array, *,
+                        chunk_size: int, r: int, **kwargs) -> jax.Array:
+  """`approx_bounds_scores` for summaries given as kmin, kmax [B, Hkv, NC, D] (a transposed
+  copy is made; a `KVCache` already holds `bounds`). Equals
+  `rocketkv_jax.select.approx_chunk_scores_xla`."""
+  check_rank("kmin", kmin, 4, "[B, Hkv, NC, D]")
+  check(kmin.shape == kmax.shape,
+        f"kmin and kmax must have the same shape, got {kmin.shape} and {kmax.shape}")
+  check(kmin.shape[2] >= 1, "kmin / kmax must hold at least one chunk")
+  check(getattr(q, "ndim", None) == 3 and q.shape[-1] == kmin.shape[-1],
+        f"q must have shape [B, Hq, D={kmin.shape[-1]}], got {getattr(q, 'shape', None)}")
+  from rocketkv_jax.cache import bounds_of
+  return approx_bounds_scores(q, bounds_of(kmin, kmax), length, chunk_size=chunk_size, r=r,
+                              **kwargs)

@@ -16,12 +16,12 @@ bound), `length` stays at capacity and `overflow[b]` is set; read it with `cache
 `generate` turns it into an error on the host. (Overwriting rather than dropping keeps the write
 a plain in-place dynamic-update-slice, which XLA never turns into a whole-cache copy.)
 
-Storage: 16-bit float caches (bf16, f16) are stored as their uint16 bit patterns (`k_raw` etc.)
-and read through the `k, v, bounds, kmin, kmax` properties, which bitcast back (free inside a jit: the
-bitcast fuses into the gather or dot that reads it). XLA:CPU computes a bf16 dynamic-update-slice
-in f32 (convert the whole buffer, update, convert back), so a bf16 buffer costs a full pass per
-appended token; on the bit pattern the append is an in-place row write. Other dtypes are stored
-as they are.
+Storage: on the CPU backend, 16-bit float caches (bf16, f16) are stored as their uint16 bit
+patterns (`k_raw` etc.) and read through the `k, v, bounds, kmin, kmax` properties, which bitcast
+back (inside a jit the bitcast fuses into the gather that reads it). XLA:CPU computes a bf16
+dynamic-update-slice in f32 (convert the whole buffer, update, convert back), so a bf16 buffer
+costs a full pass per appended token; on the bit pattern the append is an in-place row write.
+Other dtypes, and every dtype on GPU, are stored as they are (`STORE_16BIT_AS_BITS` overrides).
 """
 
 from __future__ import annotations
@@ -34,14 +34,29 @@ from jax import lax
 from rocketkv_jax._checks import require, require_rank
 
 
+# Whether 16-bit float caches are stored as uint16 bits: None = on the CPU backend only (GPU
+# updates bf16 in place natively, and its Pallas kernels take the arrays as they are).
+STORE_16BIT_AS_BITS: bool | None = None
+
+
 def _stored_as_bits(dtype) -> bool:
   dtype = jnp.dtype(dtype)
-  return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
+  policy = STORE_16BIT_AS_BITS
+  if policy is None:
+    policy = jax.default_backend() == "cpu"
+  return bool(policy) and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
 
 
 def to_storage(x: jax.Array) -> jax.Array:
   """The array as a cache stores it: 16-bit floats as uint16 bits, anything else unchanged."""
   return lax.bitcast_convert_type(x, jnp.uint16) if _stored_as_bits(x.dtype) else x
+
+
+def _storage_like(x: jax.Array, buf: jax.Array) -> jax.Array:
+  """x (in the cache's logical dtype) in the storage dtype of `buf`."""
+  if buf.dtype == jnp.uint16 and jnp.issubdtype(x.dtype, jnp.floating):  # bit storage
+    return lax.bitcast_convert_type(x, jnp.uint16)
+  return x.astype(buf.dtype)
 
 
 def from_storage(x: jax.Array, dtype) -> jax.Array:
@@ -205,7 +220,7 @@ def _write_rows(buf: jax.Array, rows: jax.Array, index: jax.Array, axis: int = 2
   updates a donated buffer in place; a scatter, or a read of the old row, makes XLA:CPU copy the
   whole cache every step. Batches above 16 sequences use one scatter instead (compile size).
   """
-  rows = jnp.expand_dims(to_storage(rows), axis).astype(buf.dtype)
+  rows = jnp.expand_dims(_storage_like(rows, buf), axis)
   index = jnp.clip(index, 0, buf.shape[axis] - 1)
   if buf.shape[0] > 16:
     # buf[bi, :, ..., index]: the advanced indices are split by slices, so the indexed view is
@@ -275,14 +290,17 @@ def extend(cache: KVCache, k: jax.Array, v: jax.Array,
   ok = (i < lengths[:, None]) & (slot < c)
   slot_w = jnp.where(ok, slot, c)
   bi = jnp.arange(b)[:, None]
-  kk = cache.k_raw.at[bi, :, slot_w].set(to_storage(jnp.moveaxis(k, 2, 1)), mode="drop")
-  vv = cache.v_raw.at[bi, :, slot_w].set(to_storage(jnp.moveaxis(v, 2, 1)), mode="drop")
+  kk = cache.k_raw.at[bi, :, slot_w].set(_storage_like(jnp.moveaxis(k, 2, 1), cache.k_raw),
+                                         mode="drop")
+  vv = cache.v_raw.at[bi, :, slot_w].set(_storage_like(jnp.moveaxis(v, 2, 1), cache.v_raw),
+                                         mode="drop")
   newpos = jnp.broadcast_to((cache.seen[:, None] + i)[:, :, None], (b, t, h))
   pos = cache.pos.at[bi, :, slot_w].set(newpos, mode="drop")
   written = jnp.sum(ok, axis=1).astype(jnp.int32)
   length = cache.length + written
   kmin, kmax = chunk_summaries(from_storage(kk, cache.dtype), length, cache.chunk_size)
-  return cache.replace(k_raw=kk, v_raw=vv, bounds_raw=to_storage(bounds_of(kmin, kmax)),
+  return cache.replace(k_raw=kk, v_raw=vv,
+                       bounds_raw=_storage_like(bounds_of(kmin, kmax), cache.bounds_raw),
                        pos=pos, length=length,
                        seen=cache.seen + lengths,
                        overflow=cache.overflow | (written < lengths))

@@ -214,9 +214,9 @@ def select(q: jax.Array, cache: KVCache, plan: Plan, *, sliding_window: int | No
     chunk = quest_bounds_scores_xla(q, cache.bounds, cache.length, cache.chunk_size)
   elif which == "pallas":
     from rocketkv_jax import kernels
-    chunk = kernels.approx_chunk_scores(q, cache.kmin, cache.kmax, cache.length,
-                                        chunk_size=cache.chunk_size, r=plan.r,
-                                        interpret=interpret)
+    chunk = kernels.approx_bounds_scores(q, cache.bounds, cache.length,
+                                         chunk_size=cache.chunk_size, r=plan.r,
+                                         interpret=interpret)
   else:
     chunk = approx_bounds_scores_xla(q, cache.bounds, cache.length, cache.chunk_size, plan.r)
   return top_slots(chunk, valid, cache.chunk_size, k)

@@ -150,6 +150,27 @@ def test_bf16_cache_within_tolerance_of_fp64():
   assert np.max(np.abs(got - want)) < 3e-2
 
 
+def test_bf16_bit_storage_equals_plain_storage(monkeypatch):
+  """CPU stores 16-bit caches as uint16 bits (cache.py); plain bf16 storage (the GPU layout)
+  decodes to the same outputs and the same cache contents."""
+  from rocketkv_jax import cache as cache_mod
+  l, steps = 60, 5
+  k, v, q = _data(7, 2, l, steps)
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=24, window_size=8), l, steps, D)
+  runs = {}
+  for bits in (True, False):
+    monkeypatch.setattr(cache_mod, "STORE_16BIT_AS_BITS", bits)
+    jax.clear_caches()  # the storage policy is read at trace time
+    out, state = _run(plan, k, v, q, l, steps, lengths=[l, l - 9], dtype=jnp.bfloat16)
+    assert state.k_raw.dtype == (jnp.uint16 if bits else jnp.bfloat16)
+    assert state.k.dtype == state.kmin.dtype == jnp.bfloat16
+    runs[bits] = out, state
+  np.testing.assert_array_equal(runs[True][0], runs[False][0])
+  for name in ("k", "v", "kmin", "kmax"):
+    np.testing.assert_array_equal(np.asarray(getattr(runs[True][1], name), np.float32),
+                                  np.asarray(getattr(runs[False][1], name), np.float32))
+
+
 @pytest.mark.parametrize("method", ["full", "rocketkv"])
 def test_sliding_window(method):
   l, steps, sw = 30, 8, 12
