@@ -33,7 +33,7 @@ import rocketkv_jax as rocketkv
 from rocketkv_jax import kernels
 from rocketkv_jax.attend import sparse_attention_xla
 from rocketkv_jax.evict import window_scores_xla
-from rocketkv_jax.select import approx_chunk_scores_xla
+from rocketkv_jax.select import approx_bounds_scores_xla, approx_chunk_scores_xla
 
 # HBM peak bandwidth (GB/s) by device-kind substring; --peak-gbps overrides.
 PEAK_GBPS = {"H200": 4800, "H100": 3350, "H800": 3350, "A100-SXM4-80GB": 2039, "A100": 1555,
@@ -142,10 +142,10 @@ def bench_gpu(args):
         _row(f"rocketkv select+attend {impl}",
              _time_us(functools.partial(_select_attend, plan=plan, impl=impl), q, cache,
                       iters=args.iters), approx_bytes + sparse_bytes, peak)
-      args_a = (q, cache.kmin, cache.kmax, cache.length)
-      fa = jax.jit(functools.partial(kernels.approx_chunk_scores, chunk_size=plan.chunk_size,
+      args_a = (q, cache.bounds, cache.length)  # the cache's summary layout
+      fa = jax.jit(functools.partial(kernels.approx_bounds_scores, chunk_size=plan.chunk_size,
                                      r=plan.r, interpret=interp))
-      fx = jax.jit(functools.partial(approx_chunk_scores_xla, chunk_size=plan.chunk_size,
+      fx = jax.jit(functools.partial(approx_bounds_scores_xla, chunk_size=plan.chunk_size,
                                      r=plan.r))
       _row("  approx chunk scores pallas", _time_us(fa, *args_a, iters=args.iters),
            approx_bytes, peak)
