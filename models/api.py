@@ -49,7 +49,7 @@ class Model:
   def dtype(self):
     return self.params["embed"].dtype
 
-  def logits(self, token_ids, block_size: int = 256) -> jax.Array:
+  def logits(self, token_ids, block_size: int = 512) -> jax.Array:
     """Plain full-attention forward: token ids `[B, T]` (or `[T]`) -> fp32 logits `[B, T, V]`."""
     tokens = np.asarray(token_ids, np.int32)
     if tokens.ndim == 1:

@@ -123,7 +123,7 @@ def unembed(params: Params, config: ModelConfig, x: jnp.ndarray) -> jnp.ndarray:
 
 
 def forward(params: Params, tokens: jnp.ndarray, *, config: ModelConfig,
-            block_size: int = 256) -> jnp.ndarray:
+            block_size: int = 512) -> jnp.ndarray:
   """Plain full-attention forward: tokens `[B, T]` -> logits `[B, T, V]` (fp32)."""
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -148,7 +148,7 @@ def window_indices(lengths: jnp.ndarray, length: int, window: int) -> jnp.ndarra
 
 
 def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
-            config: ModelConfig, plan, block_size: int = 256, impl: str = "auto"):
+            config: ModelConfig, plan, block_size: int = 512, impl: str = "auto"):
   """Prompt pass that builds the compressed KV cache.
 
   Args:

@@ -216,7 +216,7 @@ def generate(
     chat: bool = False,
     stream: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
     rocket_config: "rocketkv.RocketConfig | None" = None,
-    block_size: int = 256,
+    block_size: int = 512,
     impl: str = "auto",
 ) -> GenerationResult:
   """Generates continuations of `prompts` with the KV method `method`.
