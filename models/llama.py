@@ -22,6 +22,7 @@ parameter dtype (fp32 or bf16); RMSNorm statistics, RoPE angles, softmax and log
 
 Entry points:
   * `forward(params, tokens)` -- plain full-attention logits `[B, T, V]` (no cache).
+  * `prompt_pass(...)` -- the prompt pass shared by `prefill` and the evaluation runner.
   * `prefill(params, tokens, lengths)` -- last-token logits `[B, V]` and the per-layer KV state
     built by `rocketkv.prefill` for the plan's method.
   * `decode_step(params, cache, tokens, positions)` -- the pure step
@@ -78,8 +79,12 @@ def init_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32) -> Params
 
 
 def stack_layers(params: Params) -> Params:
-  """The per-layer dicts stacked on a leading layer axis (for `lax.scan`)."""
-  return jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"])
+  """The per-layer dicts stacked on a leading layer axis (for `lax.scan`); layers that are
+  stacked already (one dict of `[N, ...]` arrays) are returned as they are."""
+  layers = params["layers"]
+  if isinstance(layers, (list, tuple)):
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  return layers
 
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -89,15 +94,23 @@ def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
   return weight * y.astype(x.dtype)
 
 
-def _qkv(lp: Params, config: ModelConfig, x: jnp.ndarray, positions: jnp.ndarray):
-  """x `[B, T, D]`, positions `[B, T]` -> post-RoPE q `[B, Hq, T, Dh]`, k, v `[B, Hkv, T, Dh]`."""
+def _qkv(lp: Params, config: ModelConfig, x: jnp.ndarray, positions: jnp.ndarray,
+         q_rows: jnp.ndarray | None = None):
+  """x `[B, T, D]`, positions `[B, T]` -> post-RoPE q `[B, Hq, T, Dh]`, k, v `[B, Hkv, T, Dh]`.
+
+  With `q_rows` `[B, W]` (indices into T) only those rows get a query: q is `[B, Hq, W, Dh]`.
+  """
   b, t, _ = x.shape
   dh = config.head_dim
   h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
-  q = (h @ lp["wq"]).reshape(b, t, config.num_heads, dh).transpose(0, 2, 1, 3)
+  hq, q_pos = h, positions
+  if q_rows is not None:
+    hq = jnp.take_along_axis(h, q_rows[:, :, None], axis=1)
+    q_pos = jnp.take_along_axis(positions, q_rows, axis=1)
+  q = (hq @ lp["wq"]).reshape(b, hq.shape[1], config.num_heads, dh).transpose(0, 2, 1, 3)
   k = (h @ lp["wk"]).reshape(b, t, config.num_kv_heads, dh).transpose(0, 2, 1, 3)
   v = (h @ lp["wv"]).reshape(b, t, config.num_kv_heads, dh).transpose(0, 2, 1, 3)
-  return apply_rope(q, positions, config), apply_rope(k, positions, config), v
+  return apply_rope(q, q_pos, config), apply_rope(k, positions, config), v
 
 
 def _attn_residual(lp: Params, x: jnp.ndarray, attn: jnp.ndarray) -> jnp.ndarray:
@@ -147,6 +160,65 @@ def window_indices(lengths: jnp.ndarray, length: int, window: int) -> jnp.ndarra
   return jnp.clip(idx, 0, length - 1)
 
 
+def _last_token_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, lengths: jnp.ndarray,
+                          sliding_window: int | None) -> jnp.ndarray:
+  """Attention of each sequence's last valid token: q `[B, Hq, Dh]` over k, v `[B, Hkv, L, Dh]`
+  (keys j < lengths[b], and within the sliding window) -> `[B, Hq, Dh]` in q's dtype."""
+  b, hq, d = q.shape
+  hkv, length = k.shape[1], k.shape[2]
+  qg = q.reshape(b, hkv, hq // hkv, d)
+  s = jnp.einsum("bhgd,bhkd->bhgk", qg, k, preferred_element_type=jnp.float32) / np.sqrt(d)
+  j = jnp.arange(length, dtype=jnp.int32)[None, :]
+  visible = j < lengths[:, None]  # [B, L]
+  if sliding_window is not None:
+    visible &= (lengths[:, None] - 1 - j) < sliding_window
+  s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+  p = jax.nn.softmax(s, axis=-1)
+  out = jnp.einsum("bhgk,bhkd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return out.reshape(b, hq, d).astype(q.dtype)
+
+
+def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
+                config: ModelConfig, window: int, per_layer, block_size: int = 512):
+  """The decoder over a right-padded prompt batch, keeping what the KV methods need.
+
+  Every layer computes K/V for all tokens and queries for the last `window` valid tokens, and
+  hands them to `per_layer(k [B, Hkv, L, Dh], v, q_window [B, Hq, W, Dh]) -> pytree`.
+  Layers 0..N-2 run blockwise causal attention and the MLP over every token; the last layer's
+  output is needed only at each sequence's last valid token, so there its attention and MLP
+  run on that one row (a 1/N saving of the prompt pass).
+
+  Returns:
+    (x_last `[B, D]` final hidden state at each sequence's last valid token,
+     outs: a tuple with `per_layer`'s result for each of the N layers).
+  """
+  b, length = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+  widx = window_indices(lengths, length, window)  # [B, W]; widx[:, -1] = lengths - 1
+  x = params["embed"][tokens]
+  stacked = stack_layers(params)
+  n = config.num_layers
+
+  def layer(x, lp):
+    q, k, v = _qkv(lp, config, x, positions)
+    a = blockwise_causal_attention(
+        q, k, v, sliding_window=config.sliding_window, block_size=block_size)
+    q_window = jnp.take_along_axis(q, widx[:, None, :, None], axis=2)  # [B, Hq, W, Dh]
+    out = per_layer(k, v, q_window)
+    x = _mlp_residual(lp, config, _attn_residual(lp, x, a))
+    return x, out
+
+  x, outs = lax.scan(layer, x, jax.tree.map(lambda a: a[:n - 1], stacked))
+  lp = jax.tree.map(lambda a: a[n - 1], stacked)
+  q_window, k, v = _qkv(lp, config, x, positions, q_rows=widx)
+  last_out = per_layer(k, v, q_window)
+  a = _last_token_attention(q_window[:, :, -1], k, v, lengths, config.sliding_window)
+  x = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
+  x = _mlp_residual(lp, config, _attn_residual(lp, x, a[:, :, None, :]))
+  outs = tuple(jax.tree.map(lambda a, i=i: a[i], outs) for i in range(n - 1)) + (last_out,)
+  return x[:, 0], outs
+
+
 def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
             config: ModelConfig, plan, block_size: int = 512, impl: str = "auto"):
   """Prompt pass that builds the compressed KV cache.
@@ -166,23 +238,9 @@ def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
   """
   import rocketkv_jax as rocketkv  # the core; imported lazily (it imports nothing from here)
 
-  b, length = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-  widx = window_indices(lengths, length, plan.window_size)  # [B, W]
-  x = params["embed"][tokens]
-
-  def layer(x, lp):
-    q, k, v = _qkv(lp, config, x, positions)
-    a = blockwise_causal_attention(
-        q, k, v, sliding_window=config.sliding_window, block_size=block_size)
-    q_window = jnp.take_along_axis(q, widx[:, None, :, None], axis=2)  # [B, Hq, W, Dh]
-    state = rocketkv.prefill(k, v, q_window, plan, lengths=lengths, impl=impl)
-    x = _mlp_residual(lp, config, _attn_residual(lp, x, a))
-    return x, state
-
-  x, stacked = lax.scan(layer, x, stack_layers(params))
-  cache = tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(config.num_layers))
-  last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+  last, cache = prompt_pass(
+      params, tokens, lengths, config=config, window=plan.window_size, block_size=block_size,
+      per_layer=lambda k, v, qw: rocketkv.prefill(k, v, qw, plan, lengths=lengths, impl=impl))
   return unembed(params, config, last), cache
 
 

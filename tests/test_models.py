@@ -126,3 +126,49 @@ def test_init_params_match_param_shapes():
                                 is_leaf=lambda x: isinstance(x, tuple))
   logits = llama.forward(params, jnp.zeros((1, 5), jnp.int32), config=cfg)
   assert logits.shape == (1, 5, 32)
+
+
+@pytest.mark.parametrize("name", PARITY_VARIANTS)
+def test_prefill_logits_and_cache_match_transformers_on_ragged_batch(name):
+  """`llama.prefill` (whose last layer attends from the last valid token only) gives each
+  sequence of a right-padded batch the logits transformers gives it alone, and its full-KV
+  cache holds transformers' keys and values."""
+  import rocketkv_jax as rocketkv
+
+  path, ref_model = hf_checkpoint(name)
+  model = M.load(path)
+  tokens = random_tokens(2, 40, seed=4)
+  lengths = np.array([40, 27], np.int32)
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, method="full", window_size=8),
+                       40, 4, model.config.head_dim)
+  logits, cache = llama.prefill(model.params, jnp.asarray(tokens), jnp.asarray(lengths),
+                                config=model.config, plan=plan, block_size=16)
+  assert len(cache) == model.config.num_layers
+  for b, n in enumerate(lengths):
+    with torch.no_grad():
+      out = ref_model(torch.tensor(tokens[b:b + 1, :n], dtype=torch.long), use_cache=True)
+    np.testing.assert_allclose(np.asarray(logits[b]), out.logits[0, -1].numpy(), atol=1e-4)
+    for i in (0, model.config.num_layers - 1):  # a scanned layer and the special last one
+      ref_k = out.past_key_values.layers[i].keys[0].numpy()  # [Hkv, n, Dh]
+      ref_v = out.past_key_values.layers[i].values[0].numpy()
+      m = ref_k.shape[1]  # all n tokens; Mistral's sliding-window cache keeps only the last ones
+      np.testing.assert_allclose(np.asarray(cache[i].k[b, :, n - m:n]), ref_k, atol=1e-4)
+      np.testing.assert_allclose(np.asarray(cache[i].v[b, :, n - m:n]), ref_v, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_prefill_matches_forward_for_shallow_models(num_layers):
+  """Depth 1 (no scanned layer at all) and 2: prefill's last-token logits equal `forward`'s."""
+  import rocketkv_jax as rocketkv
+
+  cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=num_layers,
+                    num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=10)
+  params = llama.init_params(cfg, seed=num_layers)
+  tokens = jnp.asarray(random_tokens(2, 24, seed=5, vocab=64))
+  lengths = jnp.array([24, 13], jnp.int32)
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, method="full", window_size=4),
+                       24, 4, 8)
+  got, _ = llama.prefill(params, tokens, lengths, config=cfg, plan=plan, block_size=8)
+  full = llama.forward(params, tokens, config=cfg, block_size=8)  # [B, T, V]
+  want = jnp.take_along_axis(full, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)

@@ -37,16 +37,10 @@ import numpy as np
 
 import rocketkv_jax as rocketkv
 from rocketkv_jax.models import llama
-from rocketkv_jax.models.attention import blockwise_causal_attention
 
 
 # --------------------------------------------------------------------------- layer layout
-def _stacked_layers(params):
-  """Layers stacked on a leading axis whatever the parameter layout (list of dicts or stacked)."""
-  layers = params["layers"]
-  if isinstance(layers, (list, tuple)):
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-  return layers
+_stacked_layers = llama.stack_layers  # list of per-layer dicts or already stacked
 
 
 def _cache_layout(params, states: list):
@@ -89,21 +83,9 @@ class PromptPass:
 
 @functools.partial(jax.jit, static_argnames=("config", "window", "block_size"))
 def _prompt_pass(params, tokens, lengths, *, config, window, block_size):
-  b, length = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-  widx = llama.window_indices(lengths, length, window)
-  x = params["embed"][tokens]
-
-  def layer(x, lp):
-    q, k, v = llama._qkv(lp, config, x, positions)
-    a = blockwise_causal_attention(q, k, v, sliding_window=config.sliding_window,
-                                   block_size=block_size)
-    qw = jnp.take_along_axis(q, widx[:, None, :, None], axis=2)
-    x = llama._mlp_residual(lp, config, llama._attn_residual(lp, x, a))
-    return x, (k, v, qw)
-
-  x, (ks, vs, qws) = lax.scan(layer, x, _stacked_layers(params))
-  last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  last, outs = llama.prompt_pass(params, tokens, lengths, config=config, window=window,
+                                 block_size=block_size, per_layer=lambda k, v, qw: (k, v, qw))
+  ks, vs, qws = (jnp.stack(xs) for xs in zip(*outs))
   logits = llama.unembed(params, config, last)
   return jnp.argmax(logits, axis=-1).astype(jnp.int32), ks, vs, qws
 
