@@ -10,6 +10,8 @@ subprocess (so its peak RSS is its own). Reported:
   * decode ms/tok: mean over `--new-tokens` greedy steps (EOS ignored).
   * KV MB: the KV cache kept for decoding (ours: every layer's state incl. metadata;
     transformers: its DynamicCache at the end).
+  * floor rows: the prompt pass's matmul FLOPs divided by this machine's fp32 matmul rate
+    measured in the same run -- no fp32 prefill on this machine can beat it.
   * peak MB: ours = XLA's estimate for the larger compiled program (params + cache + temps);
     transformers = the worker process's peak RSS (includes the Python/torch runtime).
 """
@@ -59,7 +61,8 @@ def _hf_worker(n: int, new_tokens: int) -> None:
   with torch.no_grad():
     x = torch.tensor([ids])
     t0 = time.perf_counter()
-    out = model(x, use_cache=True)
+    # logits for the last position only, as transformers' own generate() asks for
+    out = model(x, use_cache=True, logits_to_keep=1)
     prefill = time.perf_counter() - t0
     past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
     t0 = time.perf_counter()
@@ -71,6 +74,32 @@ def _hf_worker(n: int, new_tokens: int) -> None:
   print(json.dumps(dict(prefill_s=prefill, decode_ms=decode * 1e3, kv_mb=kv / 2**20,
                         peak_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                         tokens=len(ids))))
+
+
+def _matmul_gflops() -> float:
+  """Measured fp32 matmul rate of this machine (GFLOP/s): best of 2048^3 jnp.dot runs."""
+  import jax
+  import jax.numpy as jnp
+
+  n = 2048
+  a = jnp.ones((n, n), jnp.float32)
+  f = jax.jit(lambda a: a @ a)
+  f(a).block_until_ready()
+  best = float("inf")
+  for _ in range(10):
+    t0 = time.perf_counter()
+    f(a).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+  return 2 * n**3 / best / 1e9
+
+
+def _prefill_gflop(config, n: int) -> float:
+  """Matmul FLOPs of an n-token prompt pass that skips masked attention exactly: projections
+  and MLP for every token, causal QK^T and PV (n(n+1)/2 pairs per query head), LM head once."""
+  d, f, dh = config.hidden_size, config.intermediate_size, config.head_dim
+  proj = d * dh * (2 * config.num_heads + 2 * config.num_kv_heads) + 3 * d * f
+  attn = 2 * config.num_heads * dh * n * (n + 1) / 2
+  return (2 * config.num_layers * (n * proj + attn) + 2 * d * config.vocab_size) / 1e9
 
 
 def main(argv=None):
@@ -94,6 +123,8 @@ def main(argv=None):
   model = rocketkv.models.load(rocketkv.models.smollm2_path(), dtype=jnp.float32)
   print(f"# loaded SmolLM2-135M in {time.perf_counter() - t0:.1f}s; jax {jax.__version__}, "
         f"{jax.devices()[0].platform}, {os.cpu_count()} CPU cores", flush=True)
+  peak = _matmul_gflops()
+  print(f"# fp32 matmul rate (2048^3 jnp.dot, best of 10): {peak:.0f} GFLOP/s", flush=True)
   rows = []
   header = ("| prompt | system | method | budget | prefill s | decode ms/tok | KV kept (tokens) "
             "| KV MB | peak MB | compile s |")
@@ -122,6 +153,11 @@ def main(argv=None):
              f"| - |")
       rows.append(row)
       print(row, flush=True)
+    gflop = _prefill_gflop(model.config, n)
+    row = (f"| {n} | floor: {gflop:.0f} GFLOP at {peak:.0f} GFLOP/s | - | - "
+           f"| {gflop / peak:.2f} | - | - | - | - | - |")
+    rows.append(row)
+    print(row, flush=True)
   if args.out:
     with open(args.out, "w") as f:
       f.write("# End-to-end benchmark (benchmarks/end_to_end.py)\n\n")

@@ -59,6 +59,7 @@ def blockwise_causal_attention(
   # [n, B, Hkv, G, bs, Dh]
   q_blocks = q.reshape(b, hkv, g, n, bs, d).transpose(3, 0, 1, 2, 4, 5)
   offsets = jnp.arange(bs, dtype=jnp.int32)
+  causal_bias = jnp.where(offsets[None, :] <= offsets[:, None], 0.0, _NEG).astype(jnp.float32)
 
   def one_query_block(args):
     i, qb = args
@@ -73,11 +74,12 @@ def blockwise_causal_attention(
       kb = lax.dynamic_slice_in_dim(k, j * bs, bs, axis=2)  # [B, Hkv, bs, Dh]
       vb = lax.dynamic_slice_in_dim(v, j * bs, bs, axis=2)
       s = jnp.einsum("bhgqd,bhkd->bhgqk", qb, kb, preferred_element_type=jnp.float32)
-      if masked:
+      if masked and sliding_window is None:
+        s = s + causal_bias  # the diagonal tile: a constant triangle, cheaper than a select
+      elif masked:
         k_pos = j * bs + offsets
         mask = k_pos[None, :] <= q_pos[:, None]
-        if sliding_window is not None:
-          mask &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+        mask &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
         s = jnp.where(mask, s, _NEG)
       m_new = jnp.maximum(m, s.max(-1))
       p = jnp.exp(s - m_new[..., None])  # masked entries: exp(-1e30 - m) = 0
@@ -95,9 +97,12 @@ def blockwise_causal_attention(
             jnp.zeros((b, hkv, g, bs), jnp.float32),
             jnp.zeros((b, hkv, g, bs, d), jnp.float32))
     if sliding_window is None:
-      # blocks strictly below the diagonal are fully visible: no mask work at all
-      carry = lax.fori_loop(first, i, lambda j, c: visit(j, c, masked=False), init)
-      _, l, acc = visit(i, carry)
+      # the diagonal tile first (the online softmax is order-free), then the blocks strictly
+      # below it, which are fully visible: no mask work at all. (Diagonal last let XLA:CPU fuse
+      # that tile's max, exp, sum, product and the final divide into one library call that ran
+      # ~1.3x slower than the same ops apart.)
+      carry = visit(i, init)
+      _, l, acc = lax.fori_loop(first, i, lambda j, c: visit(j, c, masked=False), carry)
     else:
       _, l, acc = lax.fori_loop(first, i + 1, visit, init)
     return (acc / l[..., None]).astype(q.dtype)
