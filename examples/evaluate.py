@@ -42,6 +42,9 @@ def main(argv=None):
   p.add_argument("--mt-methods", nargs="+", default=list(harness.MT_METHODS))
   p.add_argument("--budgets", nargs="+", type=int, default=[64, 128, 256, 512, 1024])
   p.add_argument("--samples", type=int, default=20, help="per (task, length)")
+  p.add_argument("--sample-start", type=int, default=0,
+                 help="first sample index (split a sweep into runs over disjoint index ranges, "
+                      "then --merge them)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--batch-size", type=int, default=1)
   p.add_argument("--quest-page-size", type=int, default=16,
@@ -75,7 +78,7 @@ def main(argv=None):
   model = M.load(a.model or M.smollm2_path(), dtype=jnp.dtype(a.dtype))
   cfg = harness.SweepConfig(
       tasks=tuple(a.tasks), context_lengths=tuple(a.lengths), methods=tuple(a.methods),
-      budgets=tuple(a.budgets), samples=a.samples, seed=a.seed, batch_size=a.batch_size,
+      budgets=tuple(a.budgets), samples=a.samples, sample_start=a.sample_start, seed=a.seed, batch_size=a.batch_size,
       max_new_tokens=a.max_new_tokens, quest_page_size=a.quest_page_size, data_dir=a.data_dir,
       datasets=tuple(a.datasets) if a.datasets else None, multiturn_methods=tuple(a.mt_methods),
       diagnostics=a.diagnostics or a.diagnostics_only, decode=not a.diagnostics_only)

@@ -161,3 +161,41 @@ def test_merge_runs():
   m = report.merge([a, b])
   assert m["config"]["context_lengths"] == [1000, 2000] and len(m["runs"]) == 2
   assert report.aggregate(m["records"]) == report.aggregate(_fake_results()["records"])
+
+
+def test_merge_pools_disjoint_sample_ranges_and_rejects_overlap():
+  def run():
+    r = _fake_results()
+    r["config"].update(context_lengths=[1000, 2000], tasks=["passkey", "vt"])
+    return r
+
+  whole, a, b, c = run(), run(), run(), run()
+  a["records"] = [r for r in a["records"] if r["index"] == 0]
+  b["records"] = [r for r in b["records"] if r["index"] == 1]
+  m = report.merge([a, b])
+  assert report.aggregate(m["records"]) == report.aggregate(whole["records"])
+  assert m["config"]["samples"] == 2
+  c["records"] = [r for r in c["records"] if r["context_len"] == 1000 and r["index"] == 1]
+  assert report.merge([a, c])["config"]["samples"] == "1-2 (see n)"  # 2 at 1000, 1 at 2000
+  with pytest.raises(ValueError, match="overlap"):
+    report.merge([whole, b])
+
+
+def test_sample_start_continues_the_same_sample_sequence():
+  """Samples [2, 4) of a split sweep are samples 2 and 3 of a whole one (same seed)."""
+  from rocketkv_jax.eval import harness
+
+  class _Model:  # build_samples reads only the tokenizer and the context length
+    tokenizer = TOK
+    config = type("C", (), dict(max_position_embeddings=4096))
+
+  whole = harness.build_samples(_Model, harness.SweepConfig(
+      tasks=("niah_single",), context_lengths=(600,), samples=4, max_new_tokens=8))
+  part = harness.build_samples(_Model, harness.SweepConfig(
+      tasks=("niah_single",), context_lengths=(600,), samples=2, sample_start=2,
+      max_new_tokens=8))
+  (ws, _, wp), (ps, _, pp) = whole[("niah_single", 600)], part[("niah_single", 600)]
+  assert wp == pp and [s.index for s in ps] == [2, 3]
+  assert [(s.prompt, s.answers) for s in ps] == [(s.prompt, s.answers) for s in ws[2:]]
+  with pytest.raises(ValueError, match="sample_start"):
+    harness.SweepConfig(sample_start=-1)

@@ -52,6 +52,7 @@ class SweepConfig:
   methods: tuple = DEFAULT_METHODS
   budgets: tuple = (64, 128, 256, 512, 1024)
   samples: int = 20
+  sample_start: int = 0  # first sample index: runs over disjoint index ranges merge cleanly
   seed: int = 0
   batch_size: int = 1
   max_new_tokens: int | None = None  # None: per task (tasks.MAX_NEW_TOKENS)
@@ -76,6 +77,8 @@ class SweepConfig:
                          f"{tasks_lib.TASKS + (tasks_lib.MULTITURN_TASK,)}")
     if self.samples < 1 or self.batch_size < 1:
       raise ValueError("samples and batch_size must be >= 1")
+    if self.sample_start < 0:
+      raise ValueError(f"sample_start must be >= 0, got {self.sample_start}")
     if self.quest_page_size < 1:
       raise ValueError(f"quest_page_size must be >= 1, got {self.quest_page_size}")
 
@@ -182,7 +185,7 @@ def build_samples(model, cfg: SweepConfig) -> dict:
       p = _padded_len(model, length, mn + ((cfg.turns - 1) * (cfg.turn_pad + mn)
                                             if task == tasks_lib.MULTITURN_TASK else 0))
       ss = [tasks_lib.make_sample(tok, task, length, i, cfg.seed, target_tokens=p)
-            for i in range(cfg.samples)]
+            for i in range(cfg.sample_start, cfg.sample_start + cfg.samples)]
       out[(task, length)] = (ss, mn, p)
     if cfg.data_dir:
       lb = longbench.load_samples(tok, cfg.data_dir, length, datasets=cfg.datasets,

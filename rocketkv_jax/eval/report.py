@@ -31,6 +31,19 @@ def merge(results: list[dict]) -> dict:
   cfg = dict(first["config"])
   cfg["context_lengths"] = sorted({x for r in results for x in r["config"]["context_lengths"]})
   cfg["tasks"] = list(dict.fromkeys(t for r in results for t in r["config"]["tasks"]))
+  records = [x for r in results for x in r["records"]]
+  seen = set()
+  for x in records:
+    key = (x["task"], x["context_len"], x["index"], x["method"], x["budget"], x.get("turn"))
+    if key in seen:
+      raise ValueError(f"runs to merge overlap: two records for {key} (task, length, sample, "
+                       "method, budget, turn); split sweeps with --sample-start")
+    seen.add(key)
+  # runs over disjoint sample ranges of one (task, length) pool their records: report the
+  # sample counts the merged cells actually hold
+  counts = sorted({n for _, n in aggregate(records).values()})
+  cfg["samples"] = counts[0] if len(counts) == 1 else f"{counts[0]}-{counts[-1]} (see n)"
+  cfg.pop("sample_start", None)
   timing = {}
   for i, r in enumerate(results):
     for k, v in r.get("timing", {}).items():
@@ -38,7 +51,7 @@ def merge(results: list[dict]) -> dict:
   diag = [d for r in results for d in r.get("diagnostics", [])]
   extra = dict(diagnostics=diag) if diag else {}
   return dict(config=cfg, plans={k: v for r in results for k, v in r.get("plans", {}).items()},
-              records=[x for r in results for x in r["records"]], timing=timing, **extra,
+              records=records, timing=timing, **extra,
               runs=[dict(config=r["config"], command=r.get("command"), timing=r.get("timing"))
                     for r in results])
 
