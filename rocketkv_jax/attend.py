@@ -99,16 +99,19 @@ def attend(q: jax.Array, cache: KVCache, idx: jax.Array | None = None, *,
   cache dtype.
   """
   check_query(q, cache)
-  valid = valid_slots(cache, sliding_window)
   if idx is None:
-    return dense_attention_xla(q, cache.k, cache.v, valid)
+    return dense_attention_xla(q, cache.k, cache.v, valid_slots(cache, sliding_window))
   require_rank("idx", idx, 3, "[B, Hkv, K]")
   require(idx.shape[:2] == cache.k.shape[:2],
           f"idx must have shape [B, Hkv, K] with [B, Hkv]={cache.k.shape[:2]}, got {idx.shape}")
   require(jnp.issubdtype(idx.dtype, jnp.integer), f"idx must be integer, got {idx.dtype}")
-  in_range = (idx >= 0) & (idx < cache.capacity)
+  if sliding_window is None:  # the valid slots are the prefix [0, length): no gather needed
+    sel_valid = (idx >= 0) & (idx < cache.length[:, None, None])
+  else:
+    in_range = (idx >= 0) & (idx < cache.capacity)
+    sel_valid = jnp.take_along_axis(valid_slots(cache, sliding_window),
+                                    jnp.clip(idx, 0, cache.capacity - 1), axis=2) & in_range
   idx = jnp.clip(idx, 0, cache.capacity - 1).astype(jnp.int32)
-  sel_valid = jnp.take_along_axis(valid, idx, axis=2) & in_range
   which, interpret = _impl.resolve(impl)
   if which == "pallas":
     from rocketkv_jax import kernels

@@ -163,6 +163,44 @@ def top_slots(chunk_scores: jax.Array, valid: jax.Array, chunk_size: int, k: int
   return out.at[bi, hi, dest].set(slots.astype(jnp.int32), mode="drop")
 
 
+def top_prefix_slots(chunk_scores: jax.Array, length: jax.Array, chunk_size: int,
+                     k: int) -> jax.Array:
+  """`top_slots` for the common case where the valid slots are a prefix, `[0, length)` (no
+  sliding window): fewer ops, no per-slot validity mask.
+
+  Only the chunk holding slot `length - 1` can be partly valid. Its `d` invalid slots are skipped
+  by arithmetic on the output position: output o takes candidate o before that chunk's valid
+  slots end and candidate o + d after. A gather then, instead of top_slots' two cumsums and
+  scatter.
+
+  Args:
+    chunk_scores: [B, Hkv, NC] scores.
+    length: [B] valid slots, >= 1.
+    chunk_size: slots per chunk.
+    k: slots to select, <= NC * chunk_size.
+  Returns:
+    int32 [B, Hkv, k], no slot twice; the same valid slots as `top_slots` (ties aside). When
+    fewer than k slots are valid, the rest of the row holds distinct invalid slots (>= length).
+  """
+  b, h, nc = chunk_scores.shape
+  cs = chunk_size
+  kc = min(nc, -(-k // cs) + 1)
+  length = length.astype(jnp.int32)[:, None, None]  # [B, 1, 1]
+  chunk_ok = jnp.arange(nc, dtype=jnp.int32) * cs < length
+  _, top_c = lax.top_k(jnp.where(chunk_ok, chunk_scores, -jnp.inf), kc)  # [B, Hkv, kc]
+  part = (length - 1) // cs  # the last valid chunk
+  v = length - part * cs  # its valid slots, 1..cs
+  rank = jnp.arange(kc, dtype=jnp.int32)
+  p = jnp.min(jnp.where(top_c == part, rank, kc), axis=-1, keepdims=True)  # its rank, or kc
+  o = jnp.arange(k, dtype=jnp.int32)
+  cand = o + jnp.where(o >= p * cs + v, cs - v, 0)  # [B, Hkv, k]
+  in_range = cand < kc * cs
+  cand = jnp.minimum(cand, kc * cs - 1)
+  chunk = jnp.take_along_axis(top_c, cand // cs, axis=-1)
+  # past the candidates (only when k > length): distinct slots beyond every chunk
+  return jnp.where(in_range, chunk * cs + cand % cs, nc * cs + o).astype(jnp.int32)
+
+
 def _streaming_indices(cache: KVCache, plan: Plan, k: int) -> jax.Array:
   """Sinks + most recent slots; all of [0, k) while the sequence holds <= k slots."""
   b, h = cache.k.shape[:2]
@@ -220,4 +258,6 @@ def select(q: jax.Array, cache: KVCache, plan: Plan, *, sliding_window: int | No
                                          interpret=interpret)
   else:
     chunk = approx_bounds_scores_xla(q, cache.bounds, cache.length, cache.chunk_size, plan.r)
+  if sliding_window is None:
+    return top_prefix_slots(chunk, cache.length, cache.chunk_size, k)
   return top_slots(chunk, valid, cache.chunk_size, k)
