@@ -139,8 +139,9 @@ def bench_rocketkv(context, budget, dtype, repeats):
   # The plan leaves 100 free slots, so the 90 repeats never fill the cache.
   t = _median_time(step, (q, kn, vn, cache), 90, donate_idx=3)
   item = jnp.dtype(dtype).itemsize
-  # Bytes the step must read: kmin and kmax on r dims of every chunk + top_k K and V rows.
-  nbytes = (2 * HKV * plan.num_chunks * plan.r + 2 * HKV * plan.top_k * D) * item
+  # Bytes the step must read: per KV head, one bound (kmax where the group-summed q_d > 0, else
+  # kmin) on each of the r dims for every chunk, + top_k K and V rows.
+  nbytes = (HKV * plan.num_chunks * plan.r + 2 * HKV * plan.top_k * D) * item
   return t, nbytes, _read_pass_time(nbytes, dtype, repeats), plan
 
 
