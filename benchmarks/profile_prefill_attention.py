@@ -37,6 +37,7 @@ _SKIP = ("Thunk", "Pjit", "PjRt", "$")
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--length", type=int, default=8000)
+  ap.add_argument("--batch", type=int, default=1)
   ap.add_argument("--block-size", type=int, default=512)
   ap.add_argument("--heads", default="9,3", help="query heads, KV heads")
   ap.add_argument("--head-dim", type=int, default=64)
@@ -44,11 +45,11 @@ def main():
   ap.add_argument("--top", type=int, default=14)
   a = ap.parse_args()
   hq, hkv = (int(x) for x in a.heads.split(","))
-  n, d = a.length, a.head_dim
+  n, d, b = a.length, a.head_dim, a.batch
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
-  q = jax.random.normal(keys[0], (1, hq, n, d))
-  k = jax.random.normal(keys[1], (1, hkv, n, d))
-  v = jax.random.normal(keys[2], (1, hkv, n, d))
+  q = jax.random.normal(keys[0], (b, hq, n, d))
+  k = jax.random.normal(keys[1], (b, hkv, n, d))
+  v = jax.random.normal(keys[2], (b, hkv, n, d))
   f = jax.jit(lambda q, k, v: blockwise_causal_attention(q, k, v, block_size=a.block_size))
   f(q, k, v).block_until_ready()
   best = float("inf")
@@ -56,8 +57,9 @@ def main():
     t0 = time.perf_counter()
     f(q, k, v).block_until_ready()
     best = min(best, time.perf_counter() - t0)
-  gflop = 4 * hq * d * n * (n + 1) / 2 / 1e9
-  print(f"length {n}, block {a.block_size}: {best * 1e3:.1f} ms per call (best of {a.calls}), "
+  gflop = 4 * b * hq * d * n * (n + 1) / 2 / 1e9
+  print(f"batch {b}, length {n}, block {a.block_size}: {best * 1e3:.1f} ms per call "
+        f"(best of {a.calls}), "
         f"{gflop / best:.0f} GFLOP/s of causal attention")
   with tempfile.TemporaryDirectory() as tmp:
     with jax.profiler.trace(tmp):
