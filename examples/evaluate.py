@@ -78,7 +78,8 @@ def main(argv=None):
   model = M.load(a.model or M.smollm2_path(), dtype=jnp.dtype(a.dtype))
   cfg = harness.SweepConfig(
       tasks=tuple(a.tasks), context_lengths=tuple(a.lengths), methods=tuple(a.methods),
-      budgets=tuple(a.budgets), samples=a.samples, sample_start=a.sample_start, seed=a.seed, batch_size=a.batch_size,
+      budgets=tuple(a.budgets), samples=a.samples, sample_start=a.sample_start, seed=a.seed,
+      batch_size=a.batch_size,
       max_new_tokens=a.max_new_tokens, quest_page_size=a.quest_page_size, data_dir=a.data_dir,
       datasets=tuple(a.datasets) if a.datasets else None, multiturn_methods=tuple(a.mt_methods),
       diagnostics=a.diagnostics or a.diagnostics_only, decode=not a.diagnostics_only)

@@ -109,13 +109,13 @@ def attend(q: jax.Array, cache: KVCache, idx: jax.Array | None = None, *,
   require(idx.shape[:2] == cache.k.shape[:2],
           f"idx must have shape [B, Hkv, K] with [B, Hkv]={cache.k.shape[:2]}, got {idx.shape}")
   require(jnp.issubdtype(idx.dtype, jnp.integer), f"idx must be integer, got {idx.dtype}")
+  clipped = jnp.clip(idx, 0, cache.capacity - 1).astype(jnp.int32)
   if sliding_window is None:  # the valid slots are the prefix [0, length): no gather needed
     sel_valid = (idx >= 0) & (idx < cache.length[:, None, None])
   else:
-    in_range = (idx >= 0) & (idx < cache.capacity)
-    sel_valid = jnp.take_along_axis(valid_slots(cache, sliding_window),
-                                    jnp.clip(idx, 0, cache.capacity - 1), axis=2) & in_range
-  idx = jnp.clip(idx, 0, cache.capacity - 1).astype(jnp.int32)
+    sel_valid = (jnp.take_along_axis(valid_slots(cache, sliding_window), clipped, axis=2)
+                 & (idx >= 0) & (idx < cache.capacity))
+  idx = clipped
   which, interpret = _impl.resolve(impl)
   if which == "pallas":
     from rocketkv_jax import kernels
