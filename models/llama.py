@@ -163,19 +163,15 @@ def window_indices(lengths: jnp.ndarray, length: int, window: int) -> jnp.ndarra
 def _last_token_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, lengths: jnp.ndarray,
                           sliding_window: int | None) -> jnp.ndarray:
   """Attention of each sequence's last valid token: q `[B, Hq, Dh]` over k, v `[B, Hkv, L, Dh]`
-  (keys j < lengths[b], and within the sliding window) -> `[B, Hq, Dh]` in q's dtype."""
-  b, hq, d = q.shape
-  hkv, length = k.shape[1], k.shape[2]
-  qg = q.reshape(b, hkv, hq // hkv, d)
-  s = jnp.einsum("bhgd,bhkd->bhgk", qg, k, preferred_element_type=jnp.float32) / np.sqrt(d)
-  j = jnp.arange(length, dtype=jnp.int32)[None, :]
+  (keys j < lengths[b], and within the sliding window) -> `[B, Hq, Dh]` in q's dtype: the
+  core's dense decode attention with a prompt-length mask."""
+  from rocketkv_jax.attend import dense_attention_xla  # the core (imports nothing from here)
+
+  j = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]
   visible = j < lengths[:, None]  # [B, L]
   if sliding_window is not None:
     visible &= (lengths[:, None] - 1 - j) < sliding_window
-  s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
-  p = jax.nn.softmax(s, axis=-1)
-  out = jnp.einsum("bhgk,bhkd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return out.reshape(b, hq, d).astype(q.dtype)
+  return dense_attention_xla(q, k, v, jnp.broadcast_to(visible[:, None, :], k.shape[:3]))
 
 
 def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
