@@ -11,7 +11,8 @@ subprocess (so its peak RSS is its own). Reported:
   * KV MB: the KV cache kept for decoding (ours: every layer's state incl. metadata;
     transformers: its DynamicCache at the end).
   * floor rows: the prompt pass's matmul FLOPs divided by this machine's fp32 matmul rate
-    measured in the same run -- no fp32 prefill on this machine can beat it.
+    measured in the same run (XLA's `jnp.dot`) -- a lower bound for any fp32 prefill that
+    uses a matmul no faster than XLA's.
   * peak MB: ours = XLA's estimate for the larger compiled program (params + cache + temps);
     transformers = the worker process's peak RSS (includes the Python/torch runtime).
 """
