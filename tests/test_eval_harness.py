@@ -45,7 +45,7 @@ def test_full_kv_sweep_equals_generate(sweep):
   model = tiny_model()
   samples = [tasks.make_sample(model.tokenizer, "passkey", 768, i, CFG.seed, target_tokens=768)
              for i in range(CFG.samples)]
-  ids = [tasks.chat_ids(model.tokenizer, s.prompt) for s in samples]
+  ids = [tasks.prompt_ids(model.tokenizer, s) for s in samples]  # + the answer prefix
   gen = rocketkv.generate(model, ids, method="full", max_new_tokens=6, eos_token_ids=(2,))
   full = sorted((r for r in sweep["records"] if r["method"] == "full"), key=lambda r: r["index"])
   for s, r, toks in zip(samples, full, gen.tokens):

@@ -21,7 +21,7 @@ def test_generators_are_seeded_and_fit_the_target(task):
   d = tasks.make_sample(TOK, task, 1500, 3, seed=12)
   assert a == b
   assert a.prompt != c.prompt and a.prompt != d.prompt
-  n = len(tasks.chat_ids(TOK, a.prompt))
+  n = len(tasks.prompt_ids(TOK, a))
   slack = 300 if task == "cwe" else 120  # cwe grows in rounds of 20 listed words
   assert n == a.meta["prompt_tokens"] and 1500 - slack <= n <= 1500
   assert a.prompt in TOK.apply_chat_template([{"role": "user", "content": a.prompt}])
@@ -60,6 +60,23 @@ def test_answers_are_recoverable_from_the_prompt(task):
       frac = (p.index(needle) - body_start) / (body_end - body_start)
       tol = 0.3 if task == "niah_multikey" else 0.1  # distractor needles shift it
       assert abs(frac - s.meta["depth"]) < tol, (frac, s.meta["depth"])
+
+
+def test_answer_prefix_starts_the_assistant_turn():
+  """Tasks with an answer prefix (RULER style) decode from chat template + prefix ids; the
+  prefix is not in the user message. The passkey haystack is the task's classic filler line."""
+  for task in tasks.TASKS + (tasks.MULTITURN_TASK,):
+    s = tasks.make_sample(TOK, task, 1500, 0)
+    ids = tasks.prompt_ids(TOK, s)
+    chat = TOK.encode(TOK.apply_chat_template([{"role": "user", "content": s.prompt}]))
+    assert ids == chat + TOK.encode(s.answer_prefix)
+    has_prefix = task in ("passkey", "niah_multiquery", "vt", "cwe")
+    assert bool(s.answer_prefix) == has_prefix, task
+    if has_prefix:
+      assert s.answer_prefix not in s.prompt and s.prompt[-1] in "?."
+  p = tasks.make_sample(TOK, "passkey", 1500, 2).prompt
+  assert p.count("The grass is green. The sky is blue.") >= 10
+  assert "fisherman" not in p and "magic" not in p
 
 
 def test_passkey_depth_grid_and_bad_task():
@@ -146,6 +163,16 @@ def test_report_tables_and_plots(tmp_path):
   assert "| 1000 | full | 100.0 | 100.0 | 2 |" in md          # full repeated per budget
   assert "| 2000 | rocketkv | 0.0 | 100.0 | 2 |" in md
   assert "| 1000 | rocketkv | 0.0 | 75.0 |" in md              # mean over passkey + vt
+  # a task that ran at one length only stays out of the per-length mean
+  cwe = [dict(r, task="cwe", score=0.0) for r in res["records"]
+         if r["context_len"] == 1000 and r["task"] == "passkey"]
+  md3 = report.markdown(dict(res, records=res["records"] + cwe))
+  assert "## Mean over synthetic tasks (passkey, vt)" in md3 and "(cwe did not run" in md3
+  assert "| 1000 | rocketkv | 0.0 | 75.0 |" in md3 and "| 1000 | rocketkv | 0.0 | 0.0 | 2 |" in md3
+  # a full-KV-only run (no budgets) gets one score column
+  full = [r for r in res["records"] if r["method"] == "full"]
+  md_full = report.markdown(dict(res, records=full))
+  assert "| length | method | score | n |" in md_full and "| 2000 | full | 50.0 | 2 |" in md_full
   paths = report.write_all(res, str(tmp_path), "r")
   for k in ("json", "markdown", "accuracy", "heatmap"):
     assert os.path.getsize(paths[k]) > 0

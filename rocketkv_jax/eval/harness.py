@@ -243,7 +243,7 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True,
                         cfg.batch_size, p, mn)
     for start in range(0, len(ss), cfg.batch_size):
       batch = ss[start:start + cfg.batch_size]
-      ids = [tasks_lib.chat_ids(tok, s.prompt) for s in batch]
+      ids = [tasks_lib.prompt_ids(tok, s) for s in batch]
       ids += [ids[-1]] * (cfg.batch_size - len(ids))
       tokens = np.zeros((cfg.batch_size, p), np.int32)
       lengths = np.array([len(x) for x in ids], np.int32)

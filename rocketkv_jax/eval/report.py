@@ -96,34 +96,42 @@ def markdown(results: dict) -> str:
   lines.append(f"Model `{c['model']['source']}`; seed {c['seed']}; greedy; samples per "
                f"(task, length) {c['samples']}; scores are mean x 100.")
   lines.append("")
-  # summary: mean over synthetic (non multi-turn) tasks per length
+  cols = budgets or [None]  # a full-KV-only run has no budgets: one column
+  head = " | ".join("score" if b is None else f"B={b}" for b in cols)
+  # summary: mean over the synthetic (non multi-turn) tasks that ran at every length, so rows
+  # of different lengths average the same tasks
   synth = [t for t in tasks if not t.startswith(("multiturn", "lb_"))]
-  if len(synth) > 1:
-    lines += ["## Mean over synthetic tasks (" + ", ".join(synth) + ")", ""]
-    lines.append("| length | method | " + " | ".join(f"B={b}" for b in budgets) + " |")
-    lines.append("|---|---|" + "---|" * len(budgets))
+  common = [t for t in synth
+            if all(any(r["task"] == t and r["context_len"] == n for r in recs) for n in lengths)]
+  if len(common) > 1:
+    lines += ["## Mean over synthetic tasks (" + ", ".join(common) + ")", ""]
+    rest = [t for t in synth if t not in common]
+    if rest:
+      lines += [f"({', '.join(rest)} did not run at every length; this mean leaves them out.)", ""]
+    lines.append(f"| length | method | {head} |")
+    lines.append("|---|---|" + "---|" * len(cols))
     for length in lengths:
       for m in methods:
-        if not any(r["method"] == m and r["task"] in synth for r in recs):
+        if not any(r["method"] == m and r["task"] in common for r in recs):
           continue
         cells = []
-        for b in budgets:
-          vals = [agg.get((t, length, m, None if m == "full" else b)) for t in synth]
+        for b in cols:
+          vals = [agg.get((t, length, m, None if m == "full" else b)) for t in common]
           vals = [v[0] for v in vals if v is not None]
-          cells.append(f"{np.mean(vals):.1f}" if vals else "")
+          cells.append(f"{np.mean(vals):.1f}" if len(vals) == len(common) else "")
         lines.append(f"| {length} | {m} | " + " | ".join(cells) + " |")
     lines.append("")
   for task in tasks:
     lines += [f"## {task}", ""]
-    lines.append("| length | method | " + " | ".join(f"B={b}" for b in budgets) + " | n |")
-    lines.append("|---|---|" + "---|" * (len(budgets) + 1))
+    lines.append(f"| length | method | {head} | n |")
+    lines.append("|---|---|" + "---|" * (len(cols) + 1))
     for length in lengths:
       for m in methods:
-        key0 = (task, length, m, None if m == "full" else (budgets[0] if budgets else None))
+        key0 = (task, length, m, None if m == "full" else cols[0])
         if key0 not in agg:
           continue
         n = agg[key0][1]
-        cells = [_cell(agg, (task, length, m, b)) for b in budgets]
+        cells = [_cell(agg, (task, length, m, b)) for b in cols]
         lines.append(f"| {length} | {m} | " + " | ".join(cells) + f" | {n} |")
     lines.append("")
   diag = results.get("diagnostics")

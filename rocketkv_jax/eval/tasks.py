@@ -18,7 +18,18 @@ Tasks (name -> what is asked, how it is scored):
                    often than the rest; `recall` of those 5 words.
 
 Filler: sentences produced by a small seeded grammar (subjects x verbs x objects x places), so
-the haystack is varied prose and needs no downloaded corpus.
+the haystack is varied prose and needs no downloaded corpus. passkey uses its classic filler
+instead, one line repeated ("The grass is green. The sky is blue. ..."): in the varied prose
+SmolLM2-135M with full KV answered 0 of 10 passkey prompts at 2K (it names a filler subject), in
+the classic filler 8 of 10.
+
+Answer prefix: passkey, niah_multiquery, vt and cwe end the user message with the question and
+start the assistant turn with RULER's answer prefix ("... the pass key mentioned in the provided
+text is"), which the model continues (`Sample.answer_prefix`, `prompt_ids`). niah_single,
+niah_multikey and niah_multivalue keep the prefix at the end of the user message, as in the
+published sweeps that were run with them (results/README.md). Moving niah_multiquery's prefix
+out of the user message and giving it 96 new tokens took full KV from 20 to 68 at 2K (10
+prompts): before, the model spent its 48 tokens repeating the four keys.
 
 Tokenizer interface used here (satisfied by `rocketkv.models.Tokenizer`):
 `encode(text, add_special_tokens=False) -> list[int]` and
@@ -39,7 +50,7 @@ NIAH_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 # Per-task generation length (answers plus a short preamble).
 MAX_NEW_TOKENS = {"passkey": 16, "niah_single": 24, "niah_multikey": 24, "niah_multivalue": 48,
-                  "niah_multiquery": 48, "vt": 32, "cwe": 48, "multiturn": 40}
+                  "niah_multiquery": 96, "vt": 32, "cwe": 48, "multiturn": 40}
 
 _SUBJECTS = ("The old fisherman", "A young painter", "The village council", "My neighbour",
              "The night train", "A curious fox", "The librarian", "Our grandmother",
@@ -70,6 +81,8 @@ _KEY_NOUN = ("anchor", "badger", "candle", "dolphin", "engine", "falcon", "glaci
              "island", "jacket", "kitten", "lantern", "meadow", "needle", "otter", "pepper",
              "quarry", "rocket", "saddle", "tunnel", "umbrella", "violin", "walnut", "yacht",
              "zebra")
+_PASSKEY_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There "
+                   "and back again.")
 _CWE_WORDS = tuple(sorted(set(
     "apple river stone cloud maple tiger piano lemon candle forest rocket silver garden "
     "window bottle pencil mirror button dragon castle island jungle ladder magnet needle "
@@ -92,6 +105,8 @@ class Sample:
     meta: task details (needle depth, keys, ...).
     questions, turn_answers: multi-turn only: the later turns' questions and answers
       (`prompt` holds the context and the first question, `answers` its answer).
+    answer_prefix: text the assistant turn starts with (RULER's answer prefix), appended after
+      the chat template's generation prompt; the model continues it. See `prompt_ids`.
   """
 
   task: str
@@ -103,6 +118,7 @@ class Sample:
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)
   questions: list[str] = dataclasses.field(default_factory=list)
   turn_answers: list[list[str]] = dataclasses.field(default_factory=list)
+  answer_prefix: str = ""
 
 
 def sample_rng(seed: int, task: str, context_len: int, index: int) -> np.random.Generator:
@@ -120,10 +136,24 @@ def filler_sentences(rng: np.random.Generator, n: int) -> list[str]:
   return out
 
 
+def passkey_filler(rng: np.random.Generator, n: int) -> list[str]:
+  """The passkey task's standard filler (Mohtashami & Jaggi, 2023): one line, repeated."""
+  del rng
+  return [_PASSKEY_FILLER] * n
+
+
 def chat_ids(tokenizer, user_message: str) -> list[int]:
   """The chat-templated prompt ids (user turn + generation prompt), as `generate(chat=True)`."""
   text = tokenizer.apply_chat_template([{"role": "user", "content": user_message}])
   return tokenizer.encode(text, add_special_tokens=False)
+
+
+def prompt_ids(tokenizer, sample: Sample) -> list[int]:
+  """The ids a sample is decoded from: `chat_ids(prompt)` then the answer prefix's ids."""
+  ids = chat_ids(tokenizer, sample.prompt)
+  if sample.answer_prefix:
+    ids = ids + tokenizer.encode(sample.answer_prefix, add_special_tokens=False)
+  return ids
 
 
 def _key(rng, used: set) -> str:
@@ -145,38 +175,43 @@ def _magic(key: str, value: str) -> str:
 class _Haystack:
   """Fills filler sentences around needles up to a token target (measured with the tokenizer)."""
 
-  def __init__(self, tokenizer, rng, target_tokens: int):
+  def __init__(self, tokenizer, rng, target_tokens: int, filler=None):
     self.tok = tokenizer
     self.rng = rng
     self.target = target_tokens
+    self.filler = filler or filler_sentences
 
-  def build(self, make_message, needles: list[str], depths: list[float]) -> tuple[str, int]:
-    """make_message(haystack) -> user message. Returns (message, prompt token count)."""
-    est = max(8, self.target // 10)
-    sents = filler_sentences(self.rng, est)
+  def build(self, make_message, needles: list[str], depths: list[float],
+            answer_prefix: str = "") -> tuple[str, int]:
+    """make_message(haystack) -> user message. Returns (message, prompt token count), the count
+    including `answer_prefix`'s tokens (see `prompt_ids`)."""
+    extra = len(self.tok.encode(answer_prefix, add_special_tokens=False))
+    target = self.target - extra
+    est = max(8, target // 10)
+    sents = self.filler(self.rng, est)
     # Grow until the prompt exceeds the target, then trim sentences until it fits.
     while True:
       msg = make_message(self._insert(sents, needles, depths))
       n = len(chat_ids(self.tok, msg))
-      if n > self.target:
+      if n > target:
         break
       per = max(n / max(len(sents), 1), 1.0)
-      more = max(4, int((self.target - n) / per) + 4)
-      sents = sents + filler_sentences(self.rng, more)
+      more = max(4, int((target - n) / per) + 4)
+      sents = sents + self.filler(self.rng, more)
     lo, hi = 0, len(sents)  # largest prefix length whose prompt fits
     while lo < hi:
       mid = (lo + hi + 1) // 2
       m = make_message(self._insert(sents[:mid], needles, depths))
-      if len(chat_ids(self.tok, m)) <= self.target:
+      if len(chat_ids(self.tok, m)) <= target:
         lo = mid
       else:
         hi = mid - 1
     msg = make_message(self._insert(sents[:lo], needles, depths))
     n = len(chat_ids(self.tok, msg))
-    if n > self.target:
+    if n > target:
       raise ValueError(f"a context of {self.target} tokens is too short for this task: the "
-                       f"prompt without filler has {n} tokens")
-    return msg, n
+                       f"prompt without filler has {n + extra} tokens")
+    return msg, n + extra
 
   @staticmethod
   def _insert(sents: list[str], needles: list[str], depths: list[float]) -> str:
@@ -210,11 +245,12 @@ def make_sample(tokenizer, task: str, context_len: int, index: int, seed: int = 
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
     intro = ("There is an important piece of information hidden inside a lot of irrelevant "
              "text. Find it and memorize it.\n\n")
-    q = ("\n\nWhat is the pass key mentioned in the provided text? The pass key mentioned in "
-         "the provided text is")
-    msg, n = hay.build(lambda h: intro + h + q, [needle], [depth])
+    q = "\n\nWhat is the pass key mentioned in the provided text?"
+    pre = "The pass key mentioned in the provided text is"
+    hay = _Haystack(tokenizer, rng, target, passkey_filler)
+    msg, n = hay.build(lambda h: intro + h + q, [needle], [depth], pre)
     return Sample(task, context_len, index, msg, [key], "contains",
-                  dict(depth=depth, prompt_tokens=n))
+                  dict(depth=depth, prompt_tokens=n), answer_prefix=pre)
 
   intro = ("Some special magic numbers are hidden within the following text. Make sure to "
            "memorize them. I will quiz you about the numbers afterwards.\n\n")
@@ -244,12 +280,13 @@ def make_sample(tokenizer, task: str, context_len: int, index: int, seed: int = 
   if task == "niah_multiquery":
     keys = [_key(rng, used) for _ in range(4)]
     vals = [_number(rng) for _ in range(4)]
-    q = (f"\n\nWhat are all the special magic numbers for {', '.join(keys[:-1])} and "
-         f"{keys[-1]} mentioned in the provided text? The special magic numbers for "
-         f"{', '.join(keys[:-1])} and {keys[-1]} mentioned in the provided text are")
+    named = f"{', '.join(keys[:-1])} and {keys[-1]}"
+    q = f"\n\nWhat are all the special magic numbers for {named} mentioned in the provided text?"
+    pre = f"The special magic numbers for {named} mentioned in the provided text are"
     msg, n = hay.build(lambda h: intro + h + q, [_magic(k, v) for k, v in zip(keys, vals)],
-                       _spread_depths(rng, 4))
-    return Sample(task, context_len, index, msg, vals, "recall", dict(keys=keys, prompt_tokens=n))
+                       _spread_depths(rng, 4), pre)
+    return Sample(task, context_len, index, msg, vals, "recall", dict(keys=keys, prompt_tokens=n),
+                  answer_prefix=pre)
 
   if task == "vt":
     letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -273,11 +310,12 @@ def make_sample(tokenizer, task: str, context_len: int, index: int, seed: int = 
     intro_vt = ("Memorize and track the chain(s) of variable assignment hidden in the following "
                 "text.\n\n")
     q = (f"\n\nQuestion: Find all variables that are assigned the value {value} in the text "
-         f"above. Answer: According to the chain(s) of variable assignment in the text above, "
-         f"4 variables are assigned the value {value}, they are:")
-    msg, n = hay.build(lambda h: intro_vt + h + q, needles, d1 + d2)
+         f"above.")
+    pre = (f"Answer: According to the chain(s) of variable assignment in the text above, 4 "
+           f"variables are assigned the value {value}, they are:")
+    msg, n = hay.build(lambda h: intro_vt + h + q, needles, d1 + d2, pre)
     return Sample(task, context_len, index, msg, chain, "recall",
-                  dict(value=value, prompt_tokens=n))
+                  dict(value=value, prompt_tokens=n), answer_prefix=pre)
 
   if task == "cwe":
     words = list(_CWE_WORDS)
@@ -294,9 +332,10 @@ def make_sample(tokenizer, task: str, context_len: int, index: int, seed: int = 
       body = " ".join(f"{i + 1}. {w}" for i, w in enumerate(items))
       return ("Below is a numbered list of words. In these words, some appear more often than "
               "others. Memorize the ones that appear most often.\n" + body +
-              "\nQuestion: What are the 5 most common words in the above list? Answer: The top "
-              "5 words that appear most often in the list are:")
+              "\nQuestion: What are the 5 most common words in the above list?")
 
+    pre = "Answer: The top 5 words that appear most often in the list are:"
+    target -= len(tokenizer.encode(pre, add_special_tokens=False))
     lo, hi = 1, 1
     while len(chat_ids(tokenizer, message(hi))) <= target:
       lo, hi = hi, hi * 2
@@ -307,10 +346,12 @@ def make_sample(tokenizer, task: str, context_len: int, index: int, seed: int = 
       else:
         hi = mid
     msg = message(lo)
-    n = len(chat_ids(tokenizer, msg))
-    if n > target:
-      raise ValueError(f"context {target} is too short for the cwe task ({n} tokens)")
-    return Sample(task, context_len, index, msg, common, "recall", dict(prompt_tokens=n))
+    n = len(prompt_ids(tokenizer, Sample(task, context_len, index, msg, [], "", answer_prefix=pre)))
+    if len(chat_ids(tokenizer, msg)) > target:
+      raise ValueError(f"context {target_tokens or context_len} is too short for the cwe task "
+                       f"({n} tokens)")
+    return Sample(task, context_len, index, msg, common, "recall", dict(prompt_tokens=n),
+                  answer_prefix=pre)
 
   # multi-turn: 3 needles, one question per turn (RocketKV-MT scenario)
   keys = [_key(rng, used) for _ in range(3)]
