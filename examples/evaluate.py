@@ -38,7 +38,10 @@ def main(argv=None):
   p.add_argument("--tasks", nargs="*", default=["passkey", "niah_single"],
                  help=f"any of {tasks_lib.TASKS + (tasks_lib.MULTITURN_TASK,)}")
   p.add_argument("--lengths", nargs="+", type=int, default=[2048])
-  p.add_argument("--methods", nargs="+", default=list(harness.DEFAULT_METHODS))
+  p.add_argument("--methods", nargs="+", default=list(harness.DEFAULT_METHODS),
+                 help="names from rocketkv.METHODS, or ablation variants such as "
+                      "rocketkv:chunk_size=1,r=64 or rocketkv:top_k=B (rocketkv_jax/eval/"
+                      "variants.py)")
   p.add_argument("--mt-methods", nargs="+", default=list(harness.MT_METHODS))
   p.add_argument("--budgets", nargs="+", type=int, default=[64, 128, 256, 512, 1024])
   p.add_argument("--samples", type=int, default=20, help="per (task, length)")

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import rocketkv_jax as rocketkv
+from rocketkv_jax.eval import variants
 from rocketkv_jax.multiturn import MTState
 
 
@@ -67,7 +68,7 @@ def attention_recall(runner, pp, methods, budgets) -> list[dict]:
   """Rows {method, budget, kept_recall, read_recall, per_layer_read} for one prompt pass."""
   rows = []
   for m in methods:
-    for b in ([None] if m == "full" else budgets):
+    for b in ([None] if variants.base_method(m) == "full" else budgets):
       plan = runner.plan(m, b or max(budgets), pp.padded_len, 1)
       kept, read = _recall(pp.k, pp.v, pp.q_window, pp.lengths, plan=plan)
       rows.append(dict(method=m, budget=b, kept_recall=float(jnp.mean(kept)),

@@ -11,6 +11,7 @@ static length P = min(length, context - max_new_tokens) and cut into batches of 
 batch of a (task, length) has the same shape and each (method, budget) compiles once per
 (task, length). Each batch gets one prompt pass; every (method, budget) then decodes from it.
 "full" ignores the budget and is decoded once per batch (its record has budget None).
+A method may be an ablation variant, e.g. "rocketkv:chunk_size=1,r=64" (`variants`).
 
 Multi-turn ("multiturn" in tasks): batch 1, three questions on one context, for the methods of
 `multiturn_methods` among full / rocketkv / rocketkv_mt:
@@ -38,7 +39,7 @@ import jax
 import numpy as np
 
 import rocketkv_jax as rocketkv
-from rocketkv_jax.eval import longbench, tasks as tasks_lib
+from rocketkv_jax.eval import longbench, tasks as tasks_lib, variants
 from rocketkv_jax.eval.runner import Runner, as_cache, layer_states
 
 DEFAULT_METHODS = ("full", "exact_topk", "rocketkv", "snapkv", "quest", "sparq", "streamingllm")
@@ -68,7 +69,9 @@ class SweepConfig:
   precompile: bool = True  # compile each group's decode programs on 2 background threads
 
   def __post_init__(self):
-    for m in self.methods + self.multiturn_methods:
+    for m in self.methods:
+      variants.parse(m)  # a METHODS name, or a variant spec such as "rocketkv:top_k=B"
+    for m in self.multiturn_methods:
       if m not in rocketkv.METHODS:
         raise ValueError(f"unknown method {m!r}; allowed: {sorted(rocketkv.METHODS)}")
     for t in self.tasks:
@@ -98,7 +101,7 @@ def _padded_len(model, length: int, max_new: int) -> int:
 def _configs(cfg: SweepConfig, methods=None):
   out = []
   for m in methods or cfg.methods:
-    if m == "full":
+    if variants.base_method(m) == "full":
       out.append((m, None))
     else:
       out.extend((m, int(b)) for b in cfg.budgets)

@@ -36,6 +36,7 @@ from jax import lax
 import numpy as np
 
 import rocketkv_jax as rocketkv
+from rocketkv_jax.eval import variants
 from rocketkv_jax.models import llama
 
 
@@ -264,8 +265,9 @@ class Runner:
 
   # ---------------------------------------------------------------- helpers
   def rocket_config(self, method: str, token_budget: int) -> "rocketkv.RocketConfig":
-    return rocketkv.RocketConfig(token_budget=int(token_budget), method=method,
-                                 window_size=self.window_size, page_size=self.quest_page_size)
+    """`method` is a name from `rocketkv.METHODS` or a variant spec (`eval.variants`)."""
+    return variants.rocket_config(method, token_budget, window_size=self.window_size,
+                                  page_size=self.quest_page_size)
 
   def plan(self, method: str, token_budget: int, prompt_len: int, max_new_tokens: int):
     return rocketkv.plan(self.rocket_config(method, token_budget), prompt_len, max_new_tokens,

@@ -1,0 +1,70 @@
+"""Method variants for ablations: `"rocketkv:chunk_size=1,r=64"` = rocketkv with split overrides.
+
+A method spec is a name from `rocketkv.METHODS`, optionally followed by `:` and comma-separated
+`field=value` overrides of `RocketConfig` (see its docstring):
+
+    rocketkv                        the paper's split
+    rocketkv:chunk_size=1,r=64      stage 2 scores every kept token exactly (D = 64)
+    rocketkv:top_k=B                stage 2 reads B tokens instead of B/2
+    snapkv:window_size=16
+
+Values are integers, floats (`alpha`), or `B` for the sweep's token budget (so one spec works
+at every budget). The spec string is the method's name everywhere in the results (records,
+tables, plots), so a variant sits next to the methods it is compared with. The sweep's
+defaults use no overrides: variants exist to find out *why* a method scores what it scores,
+never to tune it to a test set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import rocketkv_jax as rocketkv
+
+OVERRIDABLE = ("alpha", "capacity", "prompt_budget", "top_k", "chunk_size", "r", "window_size",
+               "kernel_size", "page_size", "sink_size")
+
+
+def parse(spec: str) -> tuple[str, dict[str, int | float | str]]:
+  """`"rocketkv:top_k=B,r=32"` -> ("rocketkv", {"top_k": "B", "r": 32}); ValueError if bad."""
+  if not isinstance(spec, str) or not spec:
+    raise ValueError(f"method must be a non-empty string, got {spec!r}")
+  base, sep, rest = spec.partition(":")
+  if base not in rocketkv.METHODS:
+    raise ValueError(f"unknown method {base!r} in {spec!r}; allowed: {sorted(rocketkv.METHODS)}")
+  overrides: dict[str, int | float | str] = {}
+  for item in filter(None, rest.split(",")):
+    key, eq, val = item.partition("=")
+    if not eq or key not in OVERRIDABLE:
+      raise ValueError(f"method override {item!r} in {spec!r} must be field=value with field "
+                       f"one of {OVERRIDABLE}")
+    if key in overrides:
+      raise ValueError(f"method override {key!r} appears twice in {spec!r}")
+    overrides[key] = _value(spec, key, val)
+  if sep and not overrides:
+    raise ValueError(f"method {spec!r}: nothing after ':'")
+  return base, overrides
+
+
+def _value(spec: str, key: str, val: str) -> int | float | str:
+  if val == "B" and key != "alpha":
+    return val
+  try:
+    return float(val) if key == "alpha" else int(val)
+  except ValueError:
+    kind = "a float" if key == "alpha" else "an integer or B"
+    raise ValueError(f"method override {key}={val!r} in {spec!r} must be {kind}") from None
+
+
+def rocket_config(spec: str, token_budget: int, **defaults) -> "rocketkv.RocketConfig":
+  """The `RocketConfig` of a method spec at one budget; `defaults` (window_size, page_size...)
+  apply first, the spec's overrides after. Invalid values raise `RocketConfig`'s ValueError."""
+  base, overrides = parse(spec)
+  fields = dict(defaults)
+  fields.update({k: (int(token_budget) if v == "B" else v) for k, v in overrides.items()})
+  cfg = rocketkv.RocketConfig(token_budget=int(token_budget), method=base)
+  return dataclasses.replace(cfg, **fields)
+
+
+def base_method(spec: str) -> str:
+  return parse(spec)[0]
