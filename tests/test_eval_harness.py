@@ -69,6 +69,11 @@ def test_runner_tokens_equal_generate(method):
   ref = rocketkv.generate(model, prompts, method=method, token_budget=32, max_new_tokens=8,
                           eos_token_ids=())
   assert got == ref.tokens
+  # dropping every compiled program (the sweep does it between groups) changes nothing
+  runner.precompile([(method, 32)], 2, 48, 8)
+  assert runner._futures
+  runner.release_compiled()
+  assert not runner._futures and runner.decode(pp, method, 32, 8)[0] == ref.tokens
 
 
 def test_quest_page_size_reaches_the_plan():

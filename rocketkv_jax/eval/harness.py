@@ -235,9 +235,13 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True,
       out["diagnostics"] = diag
     return out
 
+  shape = None
   for (task, length), (ss, mn, p) in groups.items():
     if on_group is not None and records:
       on_group(partial())
+    if shape not in (None, (p, mn)):
+      runner.release_compiled()  # other shapes: the previous group's programs are not reused
+    shape = (p, mn)
     if task == tasks_lib.MULTITURN_TASK:
       _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar)
       continue

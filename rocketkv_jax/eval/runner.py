@@ -359,6 +359,20 @@ class Runner:
       args = (self.model.params, k, k, qw, vec, vec, self._eos)
       self._futures[key] = _POOL[0].submit(lambda fn=fn, args=args: fn.lower(*args).compile())
 
+  def release_compiled(self) -> None:
+    """Drops every compiled decode program (ahead-of-time futures and the jit cache).
+
+    Each program holds its machine code in memory mappings of its own; a process has a fixed
+    number of them (Linux `vm.max_map_count`, 65530 by default), and a 2K sweep over four tasks
+    (124 programs of 30 unrolled layers) ran out and aborted in LLVM ("Cannot allocate
+    memory"). The sweep calls this after each (task, length) group; programs a later group
+    needs are compiled again (or loaded from `--cache-dir`)."""
+    for fut in self._futures.values():
+      fut.cancel()
+    self._futures.clear()
+    _method_decode.clear_cache()
+    _continue_decode.clear_cache()
+
   def continue_decode(self, cache, first, seen, plan, max_new_tokens: int):
     """Greedy decode from an existing cache (multi-turn)."""
     out, steps, cache = _continue_decode(self.model.params, cache, first, seen, self._eos,
