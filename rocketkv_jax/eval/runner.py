@@ -365,8 +365,8 @@ class Runner:
     Each program holds its machine code in memory mappings of its own; a process has a fixed
     number of them (Linux `vm.max_map_count`, 65530 by default), and a 2K sweep over four tasks
     (124 programs of 30 unrolled layers) ran out and aborted in LLVM ("Cannot allocate
-    memory"). The sweep calls this after each (task, length) group; programs a later group
-    needs are compiled again (or loaded from `--cache-dir`)."""
+    memory"). The sweep calls this between (task, length) groups whose shapes differ; programs
+    a later group needs are compiled again (or loaded from `--cache-dir`)."""
     for fut in self._futures.values():
       fut.cancel()
     self._futures.clear()
