@@ -1,0 +1,100 @@
+"""The tables of results/README.md and README.md, from a merged results JSON.
+
+    python examples/results_tables.py results/results.json per-length   # per-length sections
+    python examples/results_tables.py results/results.json claims       # issue #5's two checks
+    python examples/results_tables.py results/results.json means        # README.md's summary
+
+`claims`: per (task, length), full KV vs RocketKV at B=256, and whether RocketKV is at or above
+every other compressed method (SnapKV, Quest, SparQ, StreamingLLM; the exact_topk oracle is
+not counted) at B = 128 / 256 / 512 / 1024.
+"""
+
+import argparse
+import collections
+
+import numpy as np
+
+from rocketkv_jax.eval import report
+
+OTHERS = ("snapkv", "quest", "sparq", "streamingllm")
+
+
+def per_length(res) -> str:
+  recs = res["records"]
+  out = []
+  for length in sorted({r["context_len"] for r in recs}):
+    md = report.markdown(dict(res, records=[r for r in recs if r["context_len"] == length]))
+    body = md.split("\n", 4)[4].split("\nTiming (s)")[0].replace("\n## ", "\n### ")
+    if body.startswith("## "):
+      body = "#" + body
+    out.append(f"## {length // 1024}K\n\n" + body.strip() + "\n")
+  return "\n".join(out)
+
+
+def claims(res) -> str:
+  agg = report.aggregate(res["records"])
+  tasks = list(dict.fromkeys(r["task"] for r in res["records"]))
+  lengths = sorted({r["context_len"] for r in res["records"]})
+  lines = ["| task | length | full | rocketkv B=256 | gap | best other at 256 | RocketKV >= "
+           "every other, B=128 / 256 / 512 / 1024 | n |", "|---|---|---|---|---|---|---|---|"]
+  wins = cells_n = near = near_n = 0
+  losers = collections.Counter()
+  for t in tasks:
+    for length in lengths:
+      full = agg.get((t, length, "full", None))
+      if full is None:
+        continue
+      rk = agg[(t, length, "rocketkv", 256)][0]
+      near_n += 1
+      near += rk >= full[0] - 2
+      best = max(OTHERS, key=lambda m: agg[(t, length, m, 256)][0])
+      cells = []
+      for b in (128, 256, 512, 1024):
+        rv = agg[(t, length, "rocketkv", b)][0]
+        who = max(OTHERS, key=lambda m: agg[(t, length, m, b)][0])
+        ov = agg[(t, length, who, b)][0]
+        ok = rv >= ov - 1e-9
+        cells_n += 1
+        wins += ok
+        if not ok:
+          losers[who] += 1
+        cells.append("yes" if ok else f"no ({rv:.0f} vs {who} {ov:.0f})")
+      lines.append(f"| {t} | {length // 1024}K | {full[0]:.1f} | {rk:.1f} | {rk - full[0]:+.1f} "
+                   f"| {best} {agg[(t, length, best, 256)][0]:.1f} | {' / '.join(cells)} "
+                   f"| {full[1]} |")
+  lines += ["", f"RocketKV >= every other compressed method in {wins} of {cells_n} cells; "
+            f"losses to {dict(losers)}; RocketKV at B=256 within 2 points of full KV in {near} "
+            f"of {near_n} (task, length) cells"]
+  return "\n".join(lines)
+
+
+def means(res) -> str:
+  agg = report.aggregate(res["records"])
+  recs = res["records"]
+  lines = ["| length (tasks) | method | B=64 | B=128 | B=256 | B=512 | B=1024 |",
+           "|---|---|---|---|---|---|---|"]
+  labels = (("full", "full"), ("exact_topk", "exact_topk (oracle, reads B)"),
+            ("rocketkv", "**rocketkv** (reads B/2)"), ("snapkv", "snapkv"),
+            ("quest", "quest (page 16)"), ("sparq", "sparq (reads B/2)"),
+            ("streamingllm", "streamingllm"))
+  for length in sorted({r["context_len"] for r in recs}):
+    tasks = list(dict.fromkeys(r["task"] for r in recs if r["context_len"] == length))
+    for m, label in labels:
+      cells = [np.mean([agg[(t, length, m, None if m == "full" else b)][0] for t in tasks])
+               for b in (64, 128, 256, 512, 1024)]
+      lines.append(f"| {length // 1024}K ({len(tasks)}) | {label} | "
+                   + " | ".join(f"{c:.1f}" for c in cells) + " |")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("results")
+  p.add_argument("table", choices=("per-length", "claims", "means"))
+  a = p.parse_args(argv)
+  res = report.load_json(a.results)
+  print({"per-length": per_length, "claims": claims, "means": means}[a.table](res))
+
+
+if __name__ == "__main__":
+  main()
