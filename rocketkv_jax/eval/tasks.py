@@ -236,7 +236,7 @@ def make_sample(tokenizer, task: str, context_len: int, index: int, seed: int = 
     raise ValueError(f"task must be one of {TASKS + (MULTITURN_TASK,)}, got {task!r}")
   rng = sample_rng(seed, task, context_len, index)
   target = int(target_tokens or context_len)
-  hay = _Haystack(tokenizer, rng, target)
+  hay = _Haystack(tokenizer, rng, target, passkey_filler if task == "passkey" else None)
   used: set = set()
 
   if task == "passkey":
@@ -247,7 +247,6 @@ def make_sample(tokenizer, task: str, context_len: int, index: int, seed: int = 
              "text. Find it and memorize it.\n\n")
     q = "\n\nWhat is the pass key mentioned in the provided text?"
     pre = "The pass key mentioned in the provided text is"
-    hay = _Haystack(tokenizer, rng, target, passkey_filler)
     msg, n = hay.build(lambda h: intro + h + q, [needle], [depth], pre)
     return Sample(task, context_len, index, msg, [key], "contains",
                   dict(depth=depth, prompt_tokens=n), answer_prefix=pre)
@@ -335,7 +334,8 @@ def make_sample(tokenizer, task: str, context_len: int, index: int, seed: int = 
               "\nQuestion: What are the 5 most common words in the above list?")
 
     pre = "Answer: The top 5 words that appear most often in the list are:"
-    target -= len(tokenizer.encode(pre, add_special_tokens=False))
+    extra = len(tokenizer.encode(pre, add_special_tokens=False))
+    target -= extra
     lo, hi = 1, 1
     while len(chat_ids(tokenizer, message(hi))) <= target:
       lo, hi = hi, hi * 2
@@ -346,8 +346,8 @@ def make_sample(tokenizer, task: str, context_len: int, index: int, seed: int = 
       else:
         hi = mid
     msg = message(lo)
-    n = len(prompt_ids(tokenizer, Sample(task, context_len, index, msg, [], "", answer_prefix=pre)))
-    if len(chat_ids(tokenizer, msg)) > target:
+    n = len(chat_ids(tokenizer, msg)) + extra
+    if n > target + extra:
       raise ValueError(f"context {target_tokens or context_len} is too short for the cwe task "
                        f"({n} tokens)")
     return Sample(task, context_len, index, msg, common, "recall", dict(prompt_tokens=n),
