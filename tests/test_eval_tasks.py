@@ -70,7 +70,7 @@ def test_answer_prefix_starts_the_assistant_turn():
     ids = tasks.prompt_ids(TOK, s)
     chat = TOK.encode(TOK.apply_chat_template([{"role": "user", "content": s.prompt}]))
     assert ids == chat + TOK.encode(s.answer_prefix)
-    has_prefix = task in ("passkey", "niah_multiquery", "vt", "cwe")
+    has_prefix = task in ("passkey", "niah_multivalue", "niah_multiquery", "vt", "cwe")
     assert bool(s.answer_prefix) == has_prefix, task
     if has_prefix:
       assert s.answer_prefix not in s.prompt and s.prompt[-1] in "?."

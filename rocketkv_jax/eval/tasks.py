@@ -23,13 +23,17 @@ instead, one line repeated ("The grass is green. The sky is blue. ..."): in the 
 SmolLM2-135M with full KV answered 0 of 10 passkey prompts at 2K (it names a filler subject), in
 the classic filler 8 of 10.
 
-Answer prefix: passkey, niah_multiquery, vt and cwe end the user message with the question and
-start the assistant turn with RULER's answer prefix ("... the pass key mentioned in the provided
-text is"), which the model continues (`Sample.answer_prefix`, `prompt_ids`). niah_single,
-niah_multikey and niah_multivalue keep the prefix at the end of the user message, as in the
-published sweeps that were run with them (results/README.md). Moving niah_multiquery's prefix
-out of the user message and giving it 96 new tokens took full KV from 20 to 68 at 2K (10
-prompts): before, the model spent its 48 tokens repeating the four keys.
+Answer prefix: passkey, niah_multivalue, niah_multiquery, vt and cwe end the user message with
+the question and start the assistant turn with RULER's answer prefix ("... the pass key
+mentioned in the provided text is"), which the model continues (`Sample.answer_prefix`,
+`prompt_ids`). niah_single and niah_multikey keep the prefix at the end of the user message, as
+in the published sweeps that were run with them (results/README.md); their answer is one
+number, which the model gives either way. With the prefix in the user message, SmolLM2-135M
+with full KV restates the question before answering: niah_multiquery spent its 48 tokens
+repeating the four keys (full KV 20 at 2K, 10 prompts; 68 with the prefix form and 96 tokens),
+and niah_multivalue stopped after three of four numbers at 48 tokens (full KV 60 at 2K, 20
+prompts; 77.5 with the prefix form, 10 prompts, where listing the four numbers takes at most
+45 tokens, hence its 64).
 
 Tokenizer interface used here (satisfied by `rocketkv.models.Tokenizer`):
 `encode(text, add_special_tokens=False) -> list[int]` and
@@ -49,7 +53,7 @@ MULTITURN_TASK = "multiturn"
 NIAH_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 # Per-task generation length (answers plus a short preamble).
-MAX_NEW_TOKENS = {"passkey": 16, "niah_single": 24, "niah_multikey": 24, "niah_multivalue": 48,
+MAX_NEW_TOKENS = {"passkey": 16, "niah_single": 24, "niah_multikey": 24, "niah_multivalue": 64,
                   "niah_multiquery": 96, "vt": 32, "cwe": 48, "multiturn": 40}
 
 _SUBJECTS = ("The old fisherman", "A young painter", "The village council", "My neighbour",
@@ -270,11 +274,12 @@ def make_sample(tokenizer, task: str, context_len: int, index: int, seed: int = 
   if task == "niah_multivalue":
     key = _key(rng, used)
     vals = [_number(rng) for _ in range(4)]
-    q = (f"\n\nWhat are all the special magic numbers for {key} mentioned in the provided "
-         f"text? The special magic numbers for {key} mentioned in the provided text are")
+    q = f"\n\nWhat are all the special magic numbers for {key} mentioned in the provided text?"
+    pre = f"The special magic numbers for {key} mentioned in the provided text are"
     msg, n = hay.build(lambda h: intro + h + q, [_magic(key, v) for v in vals],
-                       _spread_depths(rng, 4))
-    return Sample(task, context_len, index, msg, vals, "recall", dict(key=key, prompt_tokens=n))
+                       _spread_depths(rng, 4), pre)
+    return Sample(task, context_len, index, msg, vals, "recall", dict(key=key, prompt_tokens=n),
+                  answer_prefix=pre)
 
   if task == "niah_multiquery":
     keys = [_key(rng, used) for _ in range(4)]
