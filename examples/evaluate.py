@@ -63,11 +63,13 @@ def main(argv=None):
                  help="also report each method's attention recall (selection quality)")
   p.add_argument("--diagnostics-only", action="store_true",
                  help="prompt passes + selection-quality diagnostics, no decoding")
-  p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                 help="only merge these result files (e.g. one per length) into --out/--name")
+  p.add_argument("--merge", nargs="+", default=None, metavar="JSON[:TASK,...]",
+                 help="only merge these result files (e.g. one per length) into --out/--name; "
+                 "PATH:TASK,TASK takes only those tasks from a file (leave out a task a later "
+                 "run replaces)")
   a = p.parse_args(argv)
   if a.merge:
-    results = report.merge([report.load_json(f) for f in a.merge])
+    results = report.merge([report.load_for_merge(f) for f in a.merge])
     paths = report.write_all(results, a.out, a.name)
     print(report.markdown(results))
     for k, v in paths.items():

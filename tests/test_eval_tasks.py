@@ -208,6 +208,28 @@ def test_merge_pools_disjoint_sample_ranges_and_rejects_overlap():
     report.merge([whole, b])
 
 
+def test_merge_takes_named_tasks_of_a_run(tmp_path):
+  """`PATH:TASK` keeps only that task's records: a later run of another task replaces it."""
+  old, new = _fake_results(), _fake_results()
+  old["config"].update(tasks=["passkey", "vt"], context_lengths=[1000, 2000])
+  new["config"].update(tasks=["vt"], context_lengths=[1000, 2000])
+  new["records"] = [dict(r, score=1.0) for r in new["records"] if r["task"] == "vt"]
+  path = str(tmp_path / "old.json")
+  report.save_json(old, path)
+  assert report.load_for_merge(path) == old
+  kept = report.load_for_merge(path + ":passkey")
+  assert kept["config"]["tasks"] == ["passkey"] and kept["config"]["dropped_tasks"] == ["vt"]
+  m = report.merge([kept, new])
+  agg, agg_old = report.aggregate(m["records"]), report.aggregate(old["records"])
+  assert {k: v for k, v in agg.items() if k[0] == "passkey"} == {
+      k: v for k, v in agg_old.items() if k[0] == "passkey"}
+  assert all(v[0] == 100.0 for k, v in agg.items() if k[0] == "vt")
+  with pytest.raises(ValueError, match="overlap"):
+    report.merge([old, new])
+  with pytest.raises(ValueError, match=r"tasks \['cwe'\] have no records"):
+    report.load_for_merge(path + ":passkey,cwe")
+
+
 def test_sample_start_continues_the_same_sample_sequence():
   """Samples [2, 4) of a split sweep are samples 2 and 3 of a whole one (same seed)."""
   from rocketkv_jax.eval import harness

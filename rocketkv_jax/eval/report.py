@@ -24,6 +24,27 @@ def load_json(path: str) -> dict:
     return json.load(f)
 
 
+def only_tasks(result: dict, tasks) -> dict:
+  """`result` with the records of `tasks` only, e.g. to leave out a task that a later run
+  replaces. The config lists the kept tasks and the dropped ones (`dropped_tasks`)."""
+  tasks = tuple(tasks)
+  unknown = sorted(set(tasks) - {r["task"] for r in result["records"]})
+  if unknown:
+    raise ValueError(f"tasks {unknown} have no records in this run; it has "
+                     f"{sorted({r['task'] for r in result['records']})}")
+  cfg = dict(result["config"])
+  cfg["dropped_tasks"] = [t for t in cfg["tasks"] if t not in tasks]
+  cfg["tasks"] = [t for t in cfg["tasks"] if t in tasks]
+  return dict(result, config=cfg, records=[r for r in result["records"] if r["task"] in tasks])
+
+
+def load_for_merge(spec: str) -> dict:
+  """A `--merge` argument: `PATH` (the whole run) or `PATH:TASK,TASK` (those tasks only)."""
+  path, _, tasks = spec.rpartition(":") if not os.path.exists(spec) else (spec, "", "")
+  result = load_json(path)
+  return only_tasks(result, tasks.split(",")) if tasks else result
+
+
 def merge(results: list[dict]) -> dict:
   """Concatenates the records of several runs (e.g. one per context length); the config is the
   first run's with `context_lengths` / `tasks` unioned, every run's config and command kept."""
