@@ -205,14 +205,24 @@ def plot_accuracy(results: dict, path: str) -> None:
         if xs:
           ax.plot(xs, [agg[(task, length, m, b)][0] for b in xs], marker="o", label=m)
       ax.set_xscale("log", base=2)
+      if budgets:  # an empty panel keeps the others' axis (no squeezed ticks)
+        ax.set_xlim(min(budgets) / 1.25, max(budgets) * 1.25)
       ax.set_xticks(budgets)
       ax.set_xticklabels([str(b) for b in budgets])
       ax.set_ylim(-5, 105)
       ax.set_title(f"{task} @ {length}")
       ax.set_xlabel("token budget")
       ax.set_ylabel("score")
-  axes[0][-1].legend(fontsize=7, loc="lower right")
-  fig.tight_layout()
+      if not ax.get_lines():
+        ax.text(0.5, 0.5, "not run", transform=ax.transAxes, ha="center", va="center",
+                color="0.5")
+  # one legend above the grid, from the panel that has the most methods
+  fullest = max((a for row in axes for a in row), key=lambda a: len(a.get_lines()))
+  handles, labels = fullest.get_legend_handles_labels()
+  ncol = max(1, min(len(labels), int(fig.get_figwidth() / 1.15)))  # ~1.15 in per entry
+  rows = -(-len(labels) // ncol)
+  fig.legend(handles, labels, loc="upper center", ncol=ncol, fontsize=8, frameon=False)
+  fig.tight_layout(rect=(0, 0, 1, 1 - (0.1 + 0.22 * rows) / fig.get_figheight()))
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
