@@ -32,7 +32,8 @@ number, which the model gives either way. With the prefix in the user message, S
 with full KV restates the question before answering: niah_multiquery spent its 48 tokens
 repeating the four keys (full KV 20 at 2K, 10 prompts; 68 with the prefix form and 96 tokens),
 and niah_multivalue stopped after three of four numbers at 48 tokens (full KV 60 at 2K, 20
-prompts; 72.5 in the prefix form with 64 tokens: listing the four numbers took at most 45).
+prompts; 72.5 in the prefix form with 64 tokens; on 10 of those prompts listing the four
+numbers took at most 45 tokens).
 
 Tokenizer interface used here (satisfied by `rocketkv.models.Tokenizer`):
 `encode(text, add_special_tokens=False) -> list[int]` and
