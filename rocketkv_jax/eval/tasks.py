@@ -271,25 +271,17 @@ def make_sample(tokenizer, task: str, context_len: int, index: int, seed: int = 
     return Sample(task, context_len, index, msg, [val], "contains",
                   dict(depth=depth, key=key, prompt_tokens=n))
 
-  if task == "niah_multivalue":
-    key = _key(rng, used)
+  if task in ("niah_multivalue", "niah_multiquery"):  # one key with 4 numbers / 4 keys
+    keys = [_key(rng, used) for _ in range(1 if task == "niah_multivalue" else 4)]
     vals = [_number(rng) for _ in range(4)]
-    q = f"\n\nWhat are all the special magic numbers for {key} mentioned in the provided text?"
-    pre = f"The special magic numbers for {key} mentioned in the provided text are"
-    msg, n = hay.build(lambda h: intro + h + q, [_magic(key, v) for v in vals],
-                       _spread_depths(rng, 4), pre)
-    return Sample(task, context_len, index, msg, vals, "recall", dict(key=key, prompt_tokens=n),
-                  answer_prefix=pre)
-
-  if task == "niah_multiquery":
-    keys = [_key(rng, used) for _ in range(4)]
-    vals = [_number(rng) for _ in range(4)]
-    named = f"{', '.join(keys[:-1])} and {keys[-1]}"
+    named = keys[0] if len(keys) == 1 else f"{', '.join(keys[:-1])} and {keys[-1]}"
     q = f"\n\nWhat are all the special magic numbers for {named} mentioned in the provided text?"
     pre = f"The special magic numbers for {named} mentioned in the provided text are"
-    msg, n = hay.build(lambda h: intro + h + q, [_magic(k, v) for k, v in zip(keys, vals)],
+    msg, n = hay.build(lambda h: intro + h + q,
+                       [_magic(keys[k % len(keys)], v) for k, v in enumerate(vals)],
                        _spread_depths(rng, 4), pre)
-    return Sample(task, context_len, index, msg, vals, "recall", dict(keys=keys, prompt_tokens=n),
+    meta = dict(key=keys[0]) if len(keys) == 1 else dict(keys=keys)
+    return Sample(task, context_len, index, msg, vals, "recall", dict(meta, prompt_tokens=n),
                   answer_prefix=pre)
 
   if task == "vt":
