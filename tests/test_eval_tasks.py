@@ -45,8 +45,14 @@ def test_answers_are_recoverable_from_the_prompt(task):
       for x, y in zip(s.answers, s.answers[1:]):
         assert f"VAR {y} = VAR {x}." in p
     elif task == "multiturn":
-      for k, ans in zip(s.meta["keys"], [s.answers] + s.turn_answers):
-        assert f"for {k} is: {ans[0]}." in p
+      body_start, body_end = p.index("\n\n") + 2, p.rindex("\n\n")
+      thirds = set()
+      for k, ans, d in zip(s.meta["keys"], [s.answers] + s.turn_answers, s.meta["depths"]):
+        pos = p.index(f"for {k} is: {ans[0]}.")
+        frac = (pos - body_start) / (body_end - body_start)
+        assert abs(frac - d) < 0.1, (frac, d)
+        thirds.add(int(frac * 3))
+      assert thirds == {0, 1, 2}  # one needle per third of the haystack
       assert len(s.questions) == 2 and s.meta["keys"][1] in s.questions[0]
     else:
       for ans in s.answers:
