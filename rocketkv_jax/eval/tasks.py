@@ -36,10 +36,11 @@ prompts; 72.5 in the prefix form with 64 tokens; on 10 of those prompts listing 
 numbers took at most 45 tokens).
 
 Multi-turn: three needles, one in each third of the haystack in a random order, and one
-question per turn in the niah_single form (prefix at the end of the user message). With the
-needles sorted by depth in the asked order and "Answer with the number only." SmolLM2-135M with
-full KV scored 0 of 12 turns at 2K (4 prompts; it gave the next needle's number); in this form
-8 of 18 (6 prompts).
+question per turn in the niah_single form (prefix at the end of the user message). SmolLM2-135M
+with full KV at 2K: with "Answer with the number only." instead, 0 of 6 turns (2 prompts,
+results/runs/multiturn2048_new40); in this form but with the needles sorted by depth in the
+order asked, 2 of 12 (4 prompts; it mostly gave the next needle's number); as built now, 8 of
+18 (6 prompts).
 
 Tokenizer interface used here (satisfied by `rocketkv.models.Tokenizer`):
 `encode(text, add_special_tokens=False) -> list[int]` and
