@@ -38,9 +38,9 @@ numbers took at most 45 tokens).
 Multi-turn: three needles, one in each third of the haystack in a random order, and one
 question per turn in the niah_single form (prefix at the end of the user message). SmolLM2-135M
 with full KV at 2K: with "Answer with the number only." instead, 0 of 6 turns (2 prompts,
-results/runs/multiturn2048_new40); in this form but with the needles sorted by depth in the
-order asked, 2 of 12 (4 prompts; it mostly gave the next needle's number); as built now, 8 of
-18 (6 prompts).
+results/runs/multiturn2048_new40 in git history, commit 704619d); in this form but with the
+needles sorted by depth in the order asked, 2 of 12 (4 prompts; it mostly gave the next
+needle's number); as built now, 8 of 18 (6 prompts), 29 of 60 in results/README.md's run.
 
 Tokenizer interface used here (satisfied by `rocketkv.models.Tokenizer`):
 `encode(text, add_special_tokens=False) -> list[int]` and
