@@ -40,6 +40,18 @@ from rocketkv_jax.eval import variants
 from rocketkv_jax.models import llama
 
 
+def _trim_host_memory() -> None:
+  """Returns freed heap memory to the OS (glibc `malloc_trim`); a no-op elsewhere."""
+  import ctypes
+  import gc
+
+  gc.collect()
+  try:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+  except (OSError, AttributeError):
+    pass
+
+
 # --------------------------------------------------------------------------- layer layout
 _stacked_layers = llama.stack_layers  # list of per-layer dicts or already stacked
 
@@ -366,12 +378,18 @@ class Runner:
     number of them (Linux `vm.max_map_count`, 65530 by default), and a 2K sweep over four tasks
     (124 programs of 30 unrolled layers) ran out and aborted in LLVM ("Cannot allocate
     memory"). The sweep calls this between (task, length) groups whose shapes differ; programs
-    a later group needs are compiled again (or loaded from `--cache-dir`)."""
+    a later group needs are compiled again (or loaded from `--cache-dir`).
+
+    The programs are also large in memory: the 31 of an 8K sweep group (SmolLM2, batch 10)
+    held 5.7 GB. Freed, that memory stays in the C allocator's per-thread pools (6.9 GB
+    resident after release) until `malloc_trim` hands it back (1.0 GB), which this calls
+    where glibc provides it."""
     for fut in self._futures.values():
       fut.cancel()
     self._futures.clear()
     _method_decode.clear_cache()
     _continue_decode.clear_cache()
+    _trim_host_memory()
 
   def continue_decode(self, cache, first, seen, plan, max_new_tokens: int):
     """Greedy decode from an existing cache (multi-turn)."""
