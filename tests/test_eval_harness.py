@@ -86,15 +86,16 @@ def test_quest_page_size_reaches_the_plan():
 
 def test_multiturn_scored_per_turn_and_full_matches_generate():
   model = tiny_model()
+  pad = 192  # the tiny model's byte-level tokenizer: a turn question is ~170 tokens
   cfg = harness.SweepConfig(tasks=("multiturn",), context_lengths=(1024,), budgets=(64,),
-                            samples=1, max_new_tokens=5, turn_pad=128, turns=2)
+                            samples=1, max_new_tokens=5, turn_pad=pad, turns=2)
   res = harness.run_sweep(model, cfg, progress=False)
   recs = res["records"]
   assert {(r["task"], r["method"]) for r in recs} == {
       (f"multiturn_t{t}", m) for t in (1, 2) for m in ("full", "rocketkv", "rocketkv_mt")}
   # Full KV turn 2 == generate over (turn-1 prompt + turn-1 answer + turn-2 prompt).
   s = tasks.make_sample(model.tokenizer, "multiturn", 1024, 0, 0,
-                        target_tokens=harness._padded_len(model, 1024, 5 + 1 * (128 + 5)))
+                        target_tokens=harness._padded_len(model, 1024, 5 + 1 * (pad + 5)))
   by = {(r["task"], r["method"]): r for r in recs}
   conv = tasks.chat_ids(model.tokenizer, s.prompt) + by[("multiturn_t1", "full")]["tokens"]
   conv += model.tokenizer.encode(harness._turn_text(model.tokenizer, s.questions[0]))
