@@ -235,6 +235,12 @@ class _Haystack:
     return " ".join(out)
 
 
+def _number_question(key: str) -> str:
+  """niah_single / multikey / multiturn question, with its answer prefix in the user message."""
+  return (f"What is the special magic number for {key} mentioned in the provided text? "
+          f"The special magic number for {key} mentioned in the provided text is")
+
+
 def _spread_depths(rng, n: int) -> list[float]:
   return sorted(float(d) for d in rng.uniform(0.05, 0.95, size=n))
 
@@ -272,8 +278,7 @@ def make_sample(tokenizer, task: str, context_len: int, index: int, seed: int = 
       for d in rng.uniform(0.0, 1.0, size=3):
         needles.append(_magic(_key(rng, used), _number(rng)))
         depths.append(float(d))
-    q = (f"\n\nWhat is the special magic number for {key} mentioned in the provided text? "
-         f"The special magic number for {key} mentioned in the provided text is")
+    q = "\n\n" + _number_question(key)
     msg, n = hay.build(lambda h: intro + h + q, needles, depths)
     return Sample(task, context_len, index, msg, [val], "contains",
                   dict(depth=depth, key=key, prompt_tokens=n))
@@ -360,8 +365,7 @@ def make_sample(tokenizer, task: str, context_len: int, index: int, seed: int = 
   # multi-turn: 3 needles, one question per turn (RocketKV-MT scenario)
   keys = [_key(rng, used) for _ in range(3)]
   vals = [_number(rng) for _ in range(3)]
-  qs = [f"What is the special magic number for {k} mentioned in the provided text? The special "
-        f"magic number for {k} mentioned in the provided text is" for k in keys]
+  qs = [_number_question(k) for k in keys]
   # One needle in each third of the haystack, in a random order (not the order asked).
   thirds = [float(d) for d in (np.arange(3) + rng.uniform(0.1, 0.9, size=3)) / 3]
   depths = [thirds[int(i)] for i in rng.permutation(3)]
