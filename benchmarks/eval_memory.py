@@ -55,7 +55,7 @@ def main(argv=None):
     run = runner_lib.Runner(model)
     confs = [(m, b if b is not None else max(BUDGETS)) for m, b in harness._configs(cfg)]
     t0 = time.perf_counter()
-    run.precompile(confs, cfg.batch_size, harness._padded_len(model, a.length, mn), mn)
+    run.precompile(confs, cfg.batch_size, harness.padded_len(model, a.length, mn), mn)
     for fut in run._futures.values():
       fut.result()
     _rss(f"{len(confs)} programs alive ({time.perf_counter() - t0:.0f} s)")

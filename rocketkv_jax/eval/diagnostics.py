@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import rocketkv_jax as rocketkv
+from rocketkv_jax import methods
 from rocketkv_jax.eval import variants
-from rocketkv_jax.multiturn import MTState
 
 
 def _exact_probs(q, k, lengths):
@@ -51,7 +51,7 @@ def _recall(k, v, qw, lengths, *, plan):
     q = qq[:, :, -1]
     probs = _exact_probs(q, kk, lengths)
     state = rocketkv.prefill(kk, vv, qq, plan, lengths=lengths)
-    cache = state.view if isinstance(state, MTState) else state
+    cache = methods.get(plan.method).view(state)
     kept_ok = jnp.arange(cache.capacity)[None, None, :] < cache.length[:, None, None]
     kept = _mass(probs, cache.pos, kept_ok)
     idx = rocketkv.select(q, cache, plan)
@@ -68,7 +68,8 @@ def attention_recall(runner, pp, methods, budgets) -> list[dict]:
   """Rows {method, budget, kept_recall, read_recall, per_layer_read} for one prompt pass."""
   rows = []
   for m in methods:
-    for b in ([None] if variants.base_method(m) == "full" else budgets):
+    uses_budget = methods.get(variants.base_method(m)).uses_budget
+    for b in (budgets if uses_budget else [None]):
       plan = runner.plan(m, b or max(budgets), pp.padded_len, 1)
       kept, read = _recall(pp.k, pp.v, pp.q_window, pp.lengths, plan=plan)
       rows.append(dict(method=m, budget=b, kept_recall=float(jnp.mean(kept)),

@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 import rocketkv_jax as rocketkv
+from rocketkv_jax import methods
 from rocketkv_jax.eval import longbench, tasks as tasks_lib, variants
 from rocketkv_jax.eval.runner import Runner, as_cache, layer_states
 
@@ -94,14 +95,16 @@ def _max_new(cfg: SweepConfig, task: str, metric: str | None = None) -> int:
   return tasks_lib.MAX_NEW_TOKENS[task]
 
 
-def _padded_len(model, length: int, max_new: int) -> int:
+def padded_len(model, length: int, max_new: int) -> int:
+  """The prompt length a sweep pads to: `length`, shortened so that `max_new` tokens still fit
+  in the model's context."""
   return min(int(length), model.config.max_position_embeddings - max_new)
 
 
 def _configs(cfg: SweepConfig, methods=None):
   out = []
   for m in methods or cfg.methods:
-    if variants.base_method(m) == "full":
+    if not methods.get(variants.base_method(m)).uses_budget:
       out.append((m, None))
     else:
       out.extend((m, int(b)) for b in cfg.budgets)
@@ -185,7 +188,7 @@ def build_samples(model, cfg: SweepConfig) -> dict:
   for length in cfg.context_lengths:
     for task in cfg.tasks:
       mn = _max_new(cfg, task)
-      p = _padded_len(model, length, mn + ((cfg.turns - 1) * (cfg.turn_pad + mn)
+      p = padded_len(model, length, mn + ((cfg.turns - 1) * (cfg.turn_pad + mn)
                                             if task == tasks_lib.MULTITURN_TASK else 0))
       ss = [tasks_lib.make_sample(tok, task, length, i, cfg.seed, target_tokens=p)
             for i in range(cfg.sample_start, cfg.sample_start + cfg.samples)]
@@ -193,13 +196,13 @@ def build_samples(model, cfg: SweepConfig) -> dict:
     if cfg.data_dir:
       lb = longbench.load_samples(tok, cfg.data_dir, length, datasets=cfg.datasets,
                                   max_samples=cfg.samples,
-                                  target_tokens=_padded_len(model, length, 64))
+                                  target_tokens=padded_len(model, length, 64))
       by_task: dict = {}
       for s in lb:
         by_task.setdefault(s.task, []).append(s)
       for task, ss in by_task.items():
         mn = _max_new(cfg, task, ss[0].metric)
-        p = _padded_len(model, length, mn)
+        p = padded_len(model, length, mn)
         out[(task, length)] = (ss, mn, p)
   return out
 
@@ -304,8 +307,9 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
     for method, budget in _configs(cfg, cfg.multiturn_methods):
       t0 = time.perf_counter()
       b = budget if budget is not None else max(cfg.budgets)
-      mt = method == "rocketkv_mt"
-      per_turn = method in ("rocketkv", "rocketkv_mt")  # same split per turn for both
+      method_obj = methods.get(method)
+      mt = method_obj.keeps_full_cache
+      per_turn = method_obj.replan_per_turn  # rocketkv and rocketkv_mt: same split per turn
       plan = runner.plan(method, b, p, mn if per_turn else rest)
       plans[f"multiturn/{method}/{budget}/{p}+{plan.max_new_tokens}"] = _plan_dict(plan)
       got, out, steps, cache = runner.decode(pp, method, b, mn, keep_cache=True,
