@@ -48,6 +48,7 @@ from rocketkv_jax.decode import prefill as kv_prefill
 from rocketkv_jax.models.attention import blockwise_causal_attention
 from rocketkv_jax.models.config import ModelConfig
 from rocketkv_jax.models.rope import apply_rope
+from rocketkv_jax.ops import group_queries
 
 Params = dict[str, Any]
 
@@ -277,9 +278,7 @@ def _turn_attention(q, ck, cv, cvalid, tk, tv, tvalid):
   tvalid `[B, T]` -> `[B, Hq, T, D]` (fp32 softmax).
   """
   b, hq, t, d = q.shape
-  hkv = ck.shape[1]
-  g = hq // hkv
-  qg = q.reshape(b, hkv, g, t, d).astype(jnp.float32)
+  qg = group_queries(q, ck.shape[1]).astype(jnp.float32)
   scale = 1.0 / np.sqrt(d)
   s_c = jnp.einsum("bhgtd,bhcd->bhgtc", qg, ck.astype(jnp.float32)) * scale
   s_c = jnp.where(cvalid[:, :, None, None, :], s_c, -1e30)

@@ -21,17 +21,16 @@ from jax import lax
 import rocketkv_jax as rocketkv
 from rocketkv_jax import methods
 from rocketkv_jax.eval import variants
+from rocketkv_jax.ops import group_queries, masked_softmax
 
 
 def _exact_probs(q, k, lengths):
   """q [B, Hq, D], k [B, Hkv, L, D] -> probs [B, Hkv, G, L] over valid positions."""
-  b, hq, d = q.shape
-  hkv, length = k.shape[1], k.shape[2]
-  g = hq // hkv
-  s = jnp.einsum("bhgd,bhld->bhgl", q.reshape(b, hkv, g, d).astype(jnp.float32),
+  d = q.shape[2]
+  length = k.shape[2]
+  s = jnp.einsum("bhgd,bhld->bhgl", group_queries(q, k.shape[1]).astype(jnp.float32),
                  k.astype(jnp.float32)) / jnp.sqrt(float(d))
-  valid = (jnp.arange(length) < lengths[:, None])[:, None, None, :]
-  return jax.nn.softmax(jnp.where(valid, s, -jnp.inf), axis=-1)
+  return masked_softmax(s, (jnp.arange(length) < lengths[:, None])[:, None, None, :])
 
 
 def _mass(probs, pos, ok):
