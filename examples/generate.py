@@ -233,7 +233,7 @@ def table(results, full_bytes: int) -> str:
     lines.append(
         f"{m:<14}{kept:>22}{full_bytes / s['kv_cache_bytes']:>16.1f}x"
         f"{s['kv_tokens_read']:>18}{s['prefill_s']:>11.2f}{s['decode_tokens_per_s']:>14.1f}"
-        f"  {answer[:60]}")
+        f"  {answer[:72]}")
   lines += [
       "KV kept: prompt tokens whose K/V stay cached after prefill (per layer and KV head), and "
       "the cache's size in MB (all layers, with room for the new tokens and chunk summaries)",
