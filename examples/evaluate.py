@@ -24,6 +24,7 @@ only with --overwrite, which replaces <name>.* there and removes its stale plots
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -111,6 +112,8 @@ def main(argv=None):
                  "run replaces)")
   a = p.parse_args(argv)
   try:
+    if importlib.util.find_spec("matplotlib") is None:  # fail now, not after an hour's run
+      raise ValueError('the plots need matplotlib: pip install -e ".[eval]"')
     a.out = output_dir(a.out, a.overwrite)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
