@@ -54,8 +54,8 @@ def check_magic(path: str) -> None:
   with open(path, "rb") as f:
     magic = f.read(len(GGUF_MAGIC))
   if magic != GGUF_MAGIC:
-    raise ValueError(f"{path!r} is not a GGUF file: it starts with {magic!r}, a GGUF file with "
-                     f"{GGUF_MAGIC!r}")
+    raise ValueError(f"{path!r} is not a GGUF file: expected the magic bytes {GGUF_MAGIC!r} at "
+                     f"its start, found {magic!r}")
 
 
 def open_gguf(path: str):

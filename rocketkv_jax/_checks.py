@@ -35,6 +35,7 @@ def require_float(name: str, x: Any) -> None:
 
 
 def require_int_array(name: str, x: Any) -> None:
+  """`x` must have an integer dtype (token counts such as `lengths`; a float would truncate)."""
   import numpy as np
   dtype = np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype
   require(np.issubdtype(dtype, np.integer),
