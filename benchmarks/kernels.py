@@ -23,8 +23,8 @@ On a GPU, at Llama-3.1-8B attention shapes (Hq 32, Hkv 8, D 128), one layer:
    query depends on the previous output, so calls are serialised as in a decode loop and
    Python dispatch is paid once per loop); the median of 5 loops is reported, with the first
    call's time (compile + one loop). Bandwidth = the bytes each kernel must read (K/V rows, or
-   all 2D summary rows for the chunk scores) / time; two ceilings are measured first (an empty
-   loop iteration, and a device-to-device copy).
+   the r selected summary rows for the chunk scores) / time; two ceilings are measured first
+   (an empty loop iteration, and a 2 GiB read).
 
 `--deadline-s` bounds the run: work that would start past it is skipped and listed, and the
 final tables are still printed. `--json` writes every number.
@@ -394,7 +394,7 @@ def bench(dims, args, interpret, peak, records):
         cache = _random_cache(kc, b, hkv, plan.capacity, d, [plan.capacity - 50] * b,
                               plan.chunk_size, dt)
         nc = plan.num_chunks
-        approx_bytes = 2 * b * hkv * nc * d * isz  # all 2D summary rows
+        approx_bytes = b * hkv * nc * plan.r * isz  # the r summary rows both paths gather
         sparse_bytes = 2 * b * hkv * plan.top_k * d * isz
         bctx = f"{ctx} budget {budget}"
         print(f" budget {budget}: capacity {plan.capacity}, top_k {plan.top_k}, "

@@ -16,7 +16,7 @@ The logits, [B, Hkv, G, NC] fp32 (G * 4 bytes per chunk, far less than the 2r * 
 summaries read), then go through the masked softmax and group sum in XLA (two small fusions).
 
 On an H200 (results/kernels_h200.md) the first version, one program per (batch, KV head) with
-[16, D] x [D, block_c] IEEE-fp32 dots over all 2D rows, was 30-350x slower than the XLA path.
+[16, D] x [D, block_c] IEEE-fp32 dots over all 2D rows, was 35-370x slower than the XLA path.
 """
 
 from __future__ import annotations
