@@ -34,7 +34,8 @@ Decisions where the issue is silent:
     the host after the loop; it cannot happen with a plan made for these lengths.
   * Stats: `kv_tokens_kept` is the number of valid cache slots per layer after prefill (stage 1),
     `kv_tokens_read` the tokens attended per decode step (the method's `tokens_read`: top-k for
-    sparse methods, else the whole valid cache), and `compression_ratio` = (prompt + new tokens) / kv_tokens_read.
+    sparse methods, else the whole valid cache), and `compression_ratio` = (prompt + new
+    tokens) / kv_tokens_read.
     Times are wall-clock with compilation reported separately (`compile_s`). `kv_cache_bytes` is
     the size of every layer's KV state; `peak_bytes` XLA's memory estimate (arguments + outputs +
     temporaries) of the larger of the two compiled programs.
@@ -139,6 +140,21 @@ def _compiled(name, fn, static, donate, args):
   return exe, time.perf_counter() - t0
 
 
+class _Progress:
+  """`generate(verbose=True)`: "<phase> ... (N s)" lines, the phase printed before it runs."""
+
+  def __init__(self, on: bool):
+    self.on = on
+
+  def start(self, what: str) -> None:
+    if self.on:
+      print(f"{what} ...", end=" ", flush=True)
+
+  def done(self, seconds: float) -> None:
+    if self.on:
+      print("(cached)" if seconds == 0.0 else f"({seconds:.1f} s)", flush=True)
+
+
 # --------------------------------------------------------------------------- inputs
 def _encode_prompts(model, prompts, chat: bool) -> list[list[int]]:
   if isinstance(prompts, (str, np.ndarray)) or (
@@ -182,6 +198,7 @@ def generate(
     rocket_config: RocketConfig | None = None,
     block_size: int = 512,
     impl: str = "auto",
+    verbose: bool = False,
 ) -> GenerationResult:
   """Generates continuations of `prompts` with the KV method `method`.
 
@@ -201,6 +218,8 @@ def generate(
     rocket_config: a full `rocketkv.RocketConfig` (overrides method / token_budget).
     block_size: prefill attention tile.
     impl: "auto" | "xla" | "pallas" for the core's hot path ("auto": Pallas kernels on GPU).
+    verbose: print each phase as it runs, with its wall time: "compiling prefill ... (N s)",
+      "prefill of M tokens ... (N s)", "compiling decode ... (N s)" (then any `stream` output).
 
   Returns:
     `GenerationResult`.
@@ -237,22 +256,29 @@ def generate(
   key = jax.random.PRNGKey(seed)
   tokens_j, lengths_j = jnp.asarray(tokens), jnp.asarray(lengths)
 
+  say = _Progress(verbose)
   pre_args = (model.params, tokens_j, lengths_j, key, sampler)
+  say.start("compiling prefill")
   pre_exe, pre_compile = _compiled(
       "prefill", _prefill_fn,
       dict(config=config, plan=plan, block_size=block_size, impl=impl), (), pre_args)
+  say.done(pre_compile)
+  say.start(f"prefill of {int(lengths.sum())} tokens")
   t0 = time.perf_counter()
   first, cache = pre_exe(*pre_args)
   first.block_until_ready()
   prefill_s = time.perf_counter() - t0
+  say.done(prefill_s)
   kv_kept = int(np.asarray(method_obj.view(cache[0]).length).max())
   kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
 
   dec_args = (model.params, cache, first, lengths_j, key, sampler, eos)
+  say.start("compiling decode")
   dec_exe, dec_compile = _compiled(
       "decode", _decode_fn,
       dict(config=config, plan=plan, max_new_tokens=max_new_tokens,
            stream=stream is not None, impl=impl), (1,), dec_args)
+  say.done(dec_compile)
   _STREAM[0] = stream
   try:
     t0 = time.perf_counter()
