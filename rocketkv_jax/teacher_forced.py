@@ -21,8 +21,9 @@ position lengths[b] + t, as in `rocketkv.generate`.
 
 Decisions:
   * The plan (budget split) is made for the padded batch (prompt_len = L, max_new_tokens = M),
-    as `rocketkv.generate` makes it for a ragged batch; `pad_multiple` rounds L and M up (fewer
-    compiles for many lengths) at the price of a split made for the rounded lengths.
+    as `rocketkv.generate` makes it for a ragged batch; `pad_multiple` > 1 rounds L up to a
+    multiple of it and M up to a power of two (fewer compiles for many lengths) at the price of
+    a split made for the rounded lengths.
   * Teacher forcing a continuation c_0..c_{M-1} runs M - 1 decode steps (c_{M-1} is never fed),
     i.e. exactly the cache states `generate` would pass through if it produced c greedily; the
     plan is that of `generate(max_new_tokens=M)`, so a greedy continuation scores is_argmax
@@ -158,8 +159,9 @@ def score_continuations(
     batch_size: rows per compiled batch. Requests are sorted by length and the last batch of a
       multi-batch call is filled with copies of its last row (outputs dropped), so every batch
       of a call has the same row count.
-    pad_multiple: round the padded context / continuation lengths up to a multiple of this
-      (1: exact; larger values compile fewer programs, the plan being made for rounded lengths).
+    pad_multiple: 1: pad to the batch's longest context / continuation (exact plan). Larger:
+      round the padded context length up to a multiple of it and the continuation length up to
+      a power of two (fewer compiled programs; the plan is made for the rounded lengths).
     block_size: prefill attention tile. impl: "auto" | "xla" | "pallas".
 
   Returns:
@@ -198,8 +200,9 @@ def score_continuations(
     fill = rows + [rows[-1]] * ((batch_size - len(rows)) if n > batch_size else 0)
     lengths = np.array([len(ctxs[i]) for i in fill], np.int32)
     big_l = min(_round_up(int(lengths.max()), pad_multiple), limit)
-    big_m = _round_up(max(len(conts[i]) for i in fill), pad_multiple)
-    big_m = max(min(big_m, limit + 1 - big_l), max(len(conts[i]) for i in fill))
+    big_m = max(len(conts[i]) for i in fill)
+    if pad_multiple > 1:
+      big_m = max(min(1 << (big_m - 1).bit_length(), limit + 1 - big_l), big_m)
     context = np.zeros((len(fill), big_l), np.int32)
     forced = np.zeros((len(fill), big_m), np.int32)
     for r, i in enumerate(fill):
