@@ -35,13 +35,17 @@ def _text(seed: int, n: int) -> str:
 
 
 # generate_until prompts: as user messages (chat form) and as the templated text
-USERS = [_text(1, 140), _text(2, 117)]
+USERS = [_text(1, 175).ljust(175, "."), _text(2, 117)]
 PREFIXES = ["Answer:", ""]
 PROMPTS = [f"<u>{u}</u><a>{p}" for u, p in zip(USERS, PREFIXES)]  # ByteTokenizer's template
 MAX_GEN = 8
+# 192 bytes: the longest prompt is a multiple of the backend's pad_multiple (64), so scoring
+# with padding plans exactly as generate does, and every scoring call below has shape [2, 192 + 8]
+assert len(PROMPTS[0]) == 192
 # loglikelihood requests: (context, continuation), contexts longer than BUDGET
-LL = [(_text(3, 150), " river stone"), (_text(4, 131), " blue"), (_text(5, 100), " seven"),
-      (_text(6, 120), " cloud gamma delta")]
+# (continuations of 5-8 bytes: one padded shape for both batches of two)
+LL = [(_text(3, 150), " river."), (_text(4, 131), " blue"), (_text(5, 140), " seven"),
+      (_text(6, 160), " cloud!!")]
 
 
 def _req(kind, args, i=0):
@@ -53,7 +57,13 @@ def _lm(**kw):
 
 
 def _full_logprob(model, ctx_ids, cont_ids):
-  lg = np.asarray(model.logits(np.array([ctx_ids + cont_ids])))[0].astype(np.float64)
+  """(summed log-prob, all argmax) of cont_ids after ctx_ids from transformers' model (fp32)."""
+  import torch
+  from model_fixtures import hf_checkpoint
+
+  _, ref = hf_checkpoint("llama31")  # the checkpoint behind tiny_model()
+  with torch.no_grad():
+    lg = ref(torch.tensor([ctx_ids + cont_ids])).logits[0].double().numpy()
   lg -= lg.max(-1, keepdims=True)
   logp = lg - np.log(np.exp(lg).sum(-1, keepdims=True))
   rows = [logp[len(ctx_ids) - 1 + t] for t in range(len(cont_ids))]
@@ -91,7 +101,7 @@ def test_teacher_forcing_follows_the_methods_own_decode():
   ctxs = [model.tokenizer.encode(p) for p in PROMPTS]
   res = rocketkv.generate(model, ctxs, max_new_tokens=MAX_GEN, **GEN)
   assert res.stats["new_tokens"] == [MAX_GEN, MAX_GEN]  # no EOS: the plan is generate's
-  s = rocketkv.score_continuations(model, ctxs, res.tokens, batch_size=2, **GEN)
+  s = rocketkv.score_continuations(model, ctxs, res.tokens, batch_size=2, pad_multiple=64, **GEN)
   assert s.greedy == [True, True]
   for c, g, lp in zip(ctxs, res.tokens, s.logprobs):
     want, _ = _full_logprob(model, c, g[:1])
@@ -189,7 +199,7 @@ def test_simple_evaluate_runs_a_local_task_through_the_backend(tmp_path, chat):
   _write_tasks(tmp_path)
   from lm_eval.tasks import TaskManager
 
-  tm = TaskManager(include_path=str(tmp_path))
+  tm = TaskManager(include_path=str(tmp_path), include_defaults=False)
   task = "tiny_gen_chat" if chat else "tiny_gen"
   out = lm_eval.simple_evaluate(model=_lm(batch_size=2, **GEN), tasks=[task], task_manager=tm,
                                 apply_chat_template=chat, log_samples=True)
