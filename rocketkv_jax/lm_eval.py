@@ -85,6 +85,11 @@ def rocket_config_fields() -> dict[str, Any]:
 
 def _coerce(name: str, value: Any, typ) -> Any:
   """Converts a model_args value (already typed by lm-eval's parser, or a string) to `typ`."""
+  if typing.get_origin(typ) is typing.Literal:
+    for choice in typing.get_args(typ):
+      if value == choice or str(value) == str(choice):
+        return choice
+    raise ValueError(f"{name} must be one of {typing.get_args(typ)}, got {value!r}")
   args = typing.get_args(typ)
   optional = type(None) in args
   if args:
