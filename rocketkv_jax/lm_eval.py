@@ -52,6 +52,7 @@ import functools
 import logging
 import os
 import sys
+import types
 import typing
 from typing import Any
 
@@ -268,10 +269,9 @@ class RocketKVLM(TemplateLM):
 
   # ------------------------------------------------------------------ loglikelihood
   def loglikelihood(self, requests, disable_tqdm: bool = False):
-    if self.chat:
-      for req in requests:
-        ctx, cont = req.args
-        req.args = (self._context(ctx), cont)
+    if self.chat:  # templated copies; lm-eval's instances are left as they are
+      requests = [types.SimpleNamespace(args=(self._context(r.args[0]), r.args[1]))
+                  for r in requests]
     return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
 
   def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
@@ -390,7 +390,7 @@ class RocketKVLM(TemplateLM):
     seed = int(kw.get("seed", self.seed))
     ignored = sorted(set(kw) - set(_GEN_KWARGS) - {"max_new_tokens"})
     if ignored:
-      lm_utils.eval_logger.warning(f"rocketkv: generation kwargs {ignored} are ignored")
+      logger.warning("rocketkv: generation kwargs %s are ignored", ignored)
     key = (int(max_new), temperature, top_p if temperature else 1.0, seed)
     return dict(until=list(until), max_gen_toks=int(max_new), temperature=temperature,
                 top_p=top_p, seed=seed, key=key)
@@ -423,8 +423,12 @@ def main(argv: list[str] | None = None) -> int:
     from rocketkv_jax.eval import lm_eval_export
 
     return lm_eval_export.main(argv[1:])
-  if "--model" not in argv and not any(a.startswith("--model=") for a in argv):
-    argv = ["--model", "rocketkv"] + argv
+  sub = argv[:1] if argv and argv[0] in ("run", "ls", "validate") else []
+  rest = argv[len(sub):]
+  if sub in ([], ["run"]) and rest and "--model" not in rest and not any(
+      a.startswith("--model=") for a in rest):
+    rest = ["--model", "rocketkv"] + rest
+  argv = sub + rest
   from lm_eval.__main__ import cli_evaluate
 
   old = sys.argv

@@ -86,6 +86,18 @@ def test_full_loglikelihood_equals_logits_log_softmax(full_lls):
     assert greedy == want_greedy
 
 
+def test_chat_model_arg_templates_the_context(full_lls):
+  model = tiny_model()
+  lm = _lm(method="full", batch_size=2, chat=True)
+  reqs = [_req("loglikelihood", a, i) for i, a in enumerate(LL)]
+  got = lm.loglikelihood(reqs)
+  assert [r.args for r in reqs] == LL  # lm-eval's instances are left as they are
+  for (ctx, cont), (lp, _) in zip(LL, got):
+    want, _ = _full_logprob(model, model.tokenizer.encode(f"<u>{ctx}</u><a>"),
+                            model.tokenizer.encode(cont))
+    assert abs(lp - want) < 1e-4
+
+
 def test_compressed_loglikelihood_differs_from_full(full_lls):
   lm = _lm(batch_size=2, **GEN)
   got = lm.loglikelihood([_req("loglikelihood", a, i) for i, a in enumerate(LL)])
