@@ -435,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
   sys.argv = ["lm-eval"] + argv
   try:
     cli_evaluate()
+  except ValueError as e:  # bad model_args / task names: one line, no traceback
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   finally:
     sys.argv = old
   return 0
