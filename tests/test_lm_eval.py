@@ -245,3 +245,10 @@ def test_export_writes_our_harness_prompts(tmp_path):
     assert ns["score"](metric, pred, answers) == tasks_lib.score(metric, pred, answers)
   text = (tmp_path / f"{names[0]}.yaml").read_text()
   assert "max_gen_toks: 24" in text and "until: []" in text
+
+
+def test_export_command_user_errors_exit_2(tmp_path, capsys):
+  assert backend.main(["export", "--tasks", "nope", "--out", str(tmp_path)]) == 2
+  assert backend.main(["export", "--lengths", "x", "--out", str(tmp_path)]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: --tasks must be names from") and "error: --lengths" in err
