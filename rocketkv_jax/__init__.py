@@ -21,9 +21,11 @@ from rocketkv_jax.decode import decode_step, prefill, select  # noqa: E402
 from rocketkv_jax.evict import evict  # noqa: E402
 from rocketkv_jax.multiturn import MTState, begin_turn  # noqa: E402
 from rocketkv_jax.generate import GenerationResult, generate  # noqa: E402
+from rocketkv_jax.teacher_forced import ContinuationScores, score_continuations  # noqa: E402
 
 __all__ = [
-    "GenerationResult", "KVCache", "METHODS", "MTState", "Plan", "RocketConfig", "append",
-    "attend", "begin_turn", "cache_overflow", "chunk_summaries", "decode_step", "empty_cache",
-    "evict", "extend", "full_cache", "generate", "plan", "prefill", "select",
+    "ContinuationScores", "GenerationResult", "KVCache", "METHODS", "MTState", "Plan",
+    "RocketConfig", "append", "attend", "begin_turn", "cache_overflow", "chunk_summaries",
+    "decode_step", "empty_cache", "evict", "extend", "full_cache", "generate", "plan", "prefill",
+    "score_continuations", "select",
 ]
