@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import rocketkv_jax as rocketkv
-from rocketkv_jax import methods
+from rocketkv_jax import methods as methods_lib
 from rocketkv_jax.eval import variants
 from rocketkv_jax.ops import group_queries, masked_softmax
 
@@ -50,7 +50,7 @@ def _recall(k, v, qw, lengths, *, plan):
     q = qq[:, :, -1]
     probs = _exact_probs(q, kk, lengths)
     state = rocketkv.prefill(kk, vv, qq, plan, lengths=lengths)
-    cache = methods.get(plan.method).view(state)
+    cache = methods_lib.get(plan.method).view(state)
     kept_ok = jnp.arange(cache.capacity)[None, None, :] < cache.length[:, None, None]
     kept = _mass(probs, cache.pos, kept_ok)
     idx = rocketkv.select(q, cache, plan)
@@ -67,7 +67,7 @@ def attention_recall(runner, pp, methods, budgets) -> list[dict]:
   """Rows {method, budget, kept_recall, read_recall, per_layer_read} for one prompt pass."""
   rows = []
   for m in methods:
-    uses_budget = methods.get(variants.base_method(m)).uses_budget
+    uses_budget = methods_lib.get(variants.base_method(m)).uses_budget
     for b in (budgets if uses_budget else [None]):
       plan = runner.plan(m, b or max(budgets), pp.padded_len, 1)
       kept, read = _recall(pp.k, pp.v, pp.q_window, pp.lengths, plan=plan)

@@ -39,7 +39,7 @@ import jax
 import numpy as np
 
 import rocketkv_jax as rocketkv
-from rocketkv_jax import methods
+from rocketkv_jax import methods as methods_lib
 from rocketkv_jax.eval import longbench, tasks as tasks_lib, variants
 from rocketkv_jax.eval.runner import Runner, as_cache, layer_states
 
@@ -107,7 +107,7 @@ def decode_configs(cfg: SweepConfig, names=None) -> list[tuple[str, int | None]]
   ignores the budget appears once, with budget None."""
   out = []
   for m in names or cfg.methods:
-    if not methods.get(variants.base_method(m)).uses_budget:
+    if not methods_lib.get(variants.base_method(m)).uses_budget:
       out.append((m, None))
     else:
       out.extend((m, int(b)) for b in cfg.budgets)
@@ -311,7 +311,7 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
     for method, budget in decode_configs(cfg, cfg.multiturn_methods):
       t0 = time.perf_counter()
       b = budget if budget is not None else max(cfg.budgets)
-      method_obj = methods.get(method)
+      method_obj = methods_lib.get(method)
       mt = method_obj.keeps_full_cache
       per_turn = method_obj.replan_per_turn  # rocketkv and rocketkv_mt: same split per turn
       plan = runner.plan(method, b, p, mn if per_turn else rest)
