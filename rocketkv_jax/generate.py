@@ -54,6 +54,7 @@ import numpy as np
 
 import rocketkv_jax as rocketkv
 from rocketkv_jax.models import llama
+from rocketkv_jax.models.precision import compute_params
 
 
 @dataclasses.dataclass
@@ -110,6 +111,8 @@ def _prefill_fn(params, tokens, lengths, key, temperature, top_p, *, config, pla
 def _decode_fn(params, cache, first, lengths, key, temperature, top_p, eos, *, config, plan,
                greedy, max_new_tokens, stream, impl):
   b = first.shape[0]
+  # bf16 weights on a CPU without bf16 dots: upcast once here, not in every step of the loop
+  params = compute_params(params)
   out = jnp.zeros((b, max_new_tokens), jnp.int32)
   is_eos = lambda t: jnp.any(t[:, None] == eos[None, :], axis=-1) if eos.shape[0] else \
       jnp.zeros(t.shape, bool)
