@@ -217,3 +217,19 @@ def test_bf16_prefill_and_decode_close_to_fp32(native, monkeypatch):
   err = np.abs(got - want).max() / np.abs(want).max()
   print(f"native={native}: max error {err:.4f} of max |logit| {np.abs(want).max():.2f}")
   assert err < (0.01 if native == "0" else 0.05)
+
+
+def test_native_bf16_cpu_reads_the_cpuinfo_flags(tmp_path, monkeypatch):
+  from rocketkv_jax.models import precision
+
+  monkeypatch.delenv("ROCKETKV_NATIVE_BF16", raising=False)
+  amx = tmp_path / "amx"
+  amx.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_tile\n\n"
+                 "processor\t: 1\nflags\t\t: fpu\n")
+  avx2 = tmp_path / "avx2"
+  avx2.write_text("processor\t: 0\nflags\t\t: fpu avx avx2 fma\n")
+  assert precision.native_bf16_cpu(str(amx))
+  assert not precision.native_bf16_cpu(str(avx2))
+  assert not precision.native_bf16_cpu(str(tmp_path / "missing"))
+  monkeypatch.setenv("ROCKETKV_NATIVE_BF16", "1")
+  assert precision.native_bf16_cpu(str(avx2))
