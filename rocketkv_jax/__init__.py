@@ -42,3 +42,4 @@ __all__ = [
     "full_cache", "generate", "plan", "prefill", "select",
 ]
 from rocketkv_jax.generate import generate
+from rocketkv_jax.teacher_forced import ContinuationScores, score_continuations  # noqa: E402
