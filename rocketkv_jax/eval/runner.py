@@ -38,6 +38,7 @@ import numpy as np
 import rocketkv_jax as rocketkv
 from rocketkv_jax.eval import variants
 from rocketkv_jax.models import llama
+from rocketkv_jax.models.precision import compute_params
 
 
 def _trim_host_memory() -> None:
@@ -133,6 +134,7 @@ def _greedy_loop(params, cache, first, seen, eos, *, config, plan, max_new_token
     step_fn = lambda c, t, p: _scanned_decode_step(params, stacked, c, t, p, config=config,
                                                    plan=plan)
   else:
+    params = compute_params(params)  # bf16 on a CPU without bf16 dots: upcast once, not per step
     step_fn = lambda c, t, p: llama.decode_step(params, c, t, p, config=config, plan=plan)
   out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
   is_eos = lambda t: jnp.any(t[:, None] == eos[None, :], axis=-1)
