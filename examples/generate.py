@@ -87,8 +87,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                  help="wrap the prompt in the model's chat template (default: on for the demo, "
                       "off for your prompt)")
-  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                 help="parameter and KV-cache dtype (default float32)")
+  p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                 help="parameter and KV-cache dtype. auto (default): bfloat16 on a CPU with bf16 "
+                      "dot instructions (avx512_bf16 / amx_bf16 in /proc/cpuinfo), else float32")
   p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
   p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--seed", type=int, default=0)
@@ -244,12 +245,27 @@ def table(results, full_bytes: int) -> str:
   return "\n".join(lines)
 
 
+def resolve_dtype(name: str) -> tuple[str, str]:
+  """--dtype -> (dtype name, a note for the load line saying why, for auto)."""
+  if name != "auto":
+    return name, ""
+  from rocketkv_jax.models import precision
+
+  if jax.default_backend() != "cpu":
+    return "float32", f", auto: float32 on {jax.default_backend()}; --dtype bfloat16 to change"
+  if precision.native_bf16_cpu():
+    return "bfloat16", ", auto: this CPU has bf16 dot instructions; --dtype float32 to change"
+  return "float32", (", auto: this CPU has no bf16 dot instructions (avx512_bf16/amx_bf16), "
+                     "where bf16 would compute in fp32; --dtype bfloat16 halves the KV cache")
+
+
 def load(args, job: _Job):
   """Step 1: the weights (a missing or mismatched weights file is still a user error)."""
   print(f"[1/{1 + len(job.methods)}] loading {job.path} ...", flush=True)
   t0 = time.perf_counter()
-  model = rocketkv.models.load(job.path, dtype=getattr(jnp, args.dtype))
-  print(f"      loaded in {time.perf_counter() - t0:.1f}s ({args.dtype}): "
+  dtype, why = resolve_dtype(args.dtype)
+  model = rocketkv.models.load(job.path, dtype=getattr(jnp, dtype))
+  print(f"      loaded in {time.perf_counter() - t0:.1f}s ({dtype}{why}): "
         f"{model.config.num_layers} layers, "
         f"{model.config.num_heads}/{model.config.num_kv_heads} heads", flush=True)
   print(f"      prompt: {len(job.ids)} tokens" +

@@ -16,7 +16,9 @@ RocketKV decode on SmolLM2-135M on CPU.
 
 Mistral is the same network; its v0.1 sliding window is `config.sliding_window`, honoured by
 the blockwise prefill and handed to the KV method at decode time. Activations run in the
-parameter dtype (fp32 or bf16); RMSNorm statistics, RoPE angles, softmax and logits are fp32.
+parameter dtype (fp32 or bf16) -- except bf16 on a CPU without bf16 dot instructions, which
+computes in fp32 and keeps bf16 weights and K/V caches (`precision.py`); RMSNorm statistics,
+RoPE angles, softmax and logits are fp32.
 (A pure-function pytree was chosen over flax NNX modules: it is what `jit`, `lax.scan`,
 `lax.while_loop`, donation and orbax want to see, with nothing to split or merge.)
 
@@ -42,11 +44,13 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from rocketkv_jax import methods
 from rocketkv_jax.attend import dense_attention_xla
 from rocketkv_jax.decode import decode_step as kv_decode_step
 from rocketkv_jax.decode import prefill as kv_prefill
 from rocketkv_jax.models.attention import blockwise_causal_attention
 from rocketkv_jax.models.config import ModelConfig
+from rocketkv_jax.models.precision import compute_params
 from rocketkv_jax.models.rope import apply_rope
 from rocketkv_jax.ops import group_queries
 
@@ -146,6 +150,7 @@ def forward(params: Params, tokens: jnp.ndarray, *, config: ModelConfig,
   """Plain full-attention forward: tokens `[B, T]` -> logits `[B, T, V]` (fp32)."""
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  params = compute_params(params)
   x = params["embed"][tokens]
 
   def layer(x, lp):
@@ -195,6 +200,9 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
   b, length = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
   widx = window_indices(lengths, length, window)  # [B, W]; widx[:, -1] = lengths - 1
+  kv_dtype = params["embed"].dtype  # K/V reach `per_layer` in the parameter dtype
+  params = compute_params(params)
+  store = lambda k, v, qw: per_layer(k.astype(kv_dtype), v.astype(kv_dtype), qw.astype(kv_dtype))
   x = params["embed"][tokens]
   stacked = stack_layers(params)
   n = config.num_layers
@@ -204,14 +212,14 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
     a = blockwise_causal_attention(
         q, k, v, sliding_window=config.sliding_window, block_size=block_size)
     q_window = jnp.take_along_axis(q, widx[:, None, :, None], axis=2)  # [B, Hq, W, Dh]
-    out = per_layer(k, v, q_window)
+    out = store(k, v, q_window)
     x = mlp_residual(lp, config, attn_residual(lp, x, a))
     return x, out
 
   x, outs = lax.scan(layer, x, jax.tree.map(lambda a: a[:n - 1], stacked))
   lp = jax.tree.map(lambda a: a[n - 1], stacked)
   q_window, k, v = qkv(lp, config, x, positions, q_rows=widx)
-  last_out = per_layer(k, v, q_window)
+  last_out = store(k, v, q_window)
   a = _last_token_attention(q_window[:, :, -1], k, v, lengths, config.sliding_window)
   x = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
   x = mlp_residual(lp, config, attn_residual(lp, x, a[:, :, None, :]))
@@ -258,12 +266,15 @@ def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarr
   """
   if len(cache) != config.num_layers:
     raise ValueError(f"cache must hold {config.num_layers} layer states, got {len(cache)}")
+  params = compute_params(params)  # a no-op when the caller has upcast them (generate does)
   x = params["embed"][tokens][:, None, :]  # [B, 1, D]
   pos = positions[:, None]
   new_cache = []
   # The method decides which layers stay dense (`layer=i`: e.g. Quest's first two).
   for i, (lp, state) in enumerate(zip(params["layers"], cache)):  # unrolled: in-place caches
     q, k, v = qkv(lp, config, x, pos)
+    kv_dtype = methods.get(plan.method).view(state).dtype  # the cache's dtype (bf16 weights
+    k, v = k.astype(kv_dtype), v.astype(kv_dtype)         # may compute in fp32: precision.py)
     out, state = kv_decode_step(q[:, :, 0], k, v, state, plan, layer=i,
                                 sliding_window=config.sliding_window, impl=impl)
     x = mlp_residual(lp, config, attn_residual(lp, x, out[:, :, None, :]))

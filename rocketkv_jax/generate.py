@@ -58,6 +58,7 @@ from rocketkv_jax.cache import cache_overflow
 from rocketkv_jax.config import RocketConfig
 from rocketkv_jax.config import plan as make_plan
 from rocketkv_jax.models import llama
+from rocketkv_jax.models.precision import compute_params
 
 
 @dataclasses.dataclass
@@ -100,6 +101,8 @@ def _on_token(step, tok, done):
 
 def _decode_fn(params, cache, first, lengths, key, sampler, eos, *, config, plan,
                max_new_tokens, stream, impl):
+  # bf16 weights on a CPU without bf16 dots: upcast once here, not in every step of the loop
+  params = compute_params(params)
   step_fn = lambda c, t, p: llama.decode_step(params, c, t, p, config=config, plan=plan,
                                               impl=impl)
   s = decode_loop.sample_loop(step_fn, cache, first, lengths, eos, key, sampler,

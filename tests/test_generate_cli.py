@@ -68,3 +68,22 @@ def test_help_explains_the_demo():
   assert "KV read per step" in proc.stdout and "cache reduction" in proc.stdout
   # the example commands keep their line continuations (no run-together "\" lines)
   assert "--method snapkv \\\n        --budget 512" in proc.stdout
+
+
+@pytest.mark.parametrize("native,want", [("1", "bfloat16"), ("0", "float32")])
+def test_auto_dtype_follows_the_cpu(native, want, monkeypatch):
+  """--dtype auto (the default) picks bf16 only where the CPU has bf16 dot instructions, and the
+  load line says why; an explicit --dtype is taken as given."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("generate_script", SCRIPT)
+  script = importlib.util.module_from_spec(spec)
+  monkeypatch.setitem(sys.modules, spec.name, script)  # its dataclasses look themselves up
+  spec.loader.exec_module(script)
+  monkeypatch.setenv("ROCKETKV_NATIVE_BF16", native)
+  assert script._parser().parse_args([]).dtype == "auto"
+  dtype, why = script.resolve_dtype("auto")
+  assert dtype == want
+  assert ("has bf16 dot" if native == "1" else "no bf16 dot") in why
+  assert script.resolve_dtype("float32") == ("float32", "")
+  assert script.resolve_dtype("bfloat16") == ("bfloat16", "")

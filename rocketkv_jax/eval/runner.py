@@ -39,6 +39,7 @@ import rocketkv_jax as rocketkv
 from rocketkv_jax import decode_loop, sampling
 from rocketkv_jax.eval import variants
 from rocketkv_jax.models import llama
+from rocketkv_jax.models.precision import compute_params
 
 
 def _trim_host_memory() -> None:
@@ -103,6 +104,7 @@ def _prompt_pass(params, tokens, lengths, *, config, window, block_size):
 
 def _greedy_loop(params, cache, first, seen, eos, *, config, plan, max_new_tokens):
   """Greedy decode: `first` [B] was sampled already and sits at position `seen`."""
+  params = compute_params(params)  # bf16 on a CPU without bf16 dots: upcast once, not per step
   step_fn = lambda c, t, p: llama.decode_step(params, c, t, p, config=config, plan=plan)
   s = decode_loop.sample_loop(step_fn, cache, first, seen, eos, jax.random.PRNGKey(0),
                               sampling.Greedy(), max_new_tokens=max_new_tokens)
