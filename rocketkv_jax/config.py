@@ -10,7 +10,7 @@ T = prompt_len + max_new_tokens,
     top_k = B // 2
     cr2 = max(1, capacity / B)
     chunk_size = min(floor(cr2), ceil(sqrt(cr2)))
-    r = round(D * chunk_size / cr2), clamped to [1, D]
+    r = int(D * chunk_size / cr2), clamped to [1, D]   (truncated, as the original code does)
 
 Decisions where the formula is silent (documented here and in the README):
 - capacity never exceeds T (no compression is ever an expansion).
@@ -160,7 +160,8 @@ def _rocket_split(config: RocketConfig, prompt_len: int, max_new: int, head_dim:
   top_k = config.top_k if config.top_k is not None else max(b // 2, 1)
   cr2 = max(1.0, capacity / b)
   chunk = config.chunk_size or max(1, min(math.floor(cr2), math.ceil(math.sqrt(cr2))))
-  r = config.r if config.r is not None else min(max(round(head_dim * chunk / cr2), 1), head_dim)
+  # Truncation, as the original RocketKV code derives r (`int(D * chunk / cr2)`).
+  r = config.r if config.r is not None else min(max(int(head_dim * chunk / cr2), 1), head_dim)
   return capacity, prompt_budget, top_k, chunk, r
 
 
@@ -168,7 +169,7 @@ def plan(config: RocketConfig, prompt_len: int, max_new_tokens: int, head_dim: i
   """Splits `config.token_budget` for a prompt of `prompt_len` tokens and `max_new_tokens` more.
 
   Example (the paper's setting): prompt 32668, 100 new, budget 256, D 128 ->
-  capacity 1618, prompt_budget 1518, top_k 128, chunk_size 3, r 61.
+  capacity 1618, prompt_budget 1518, top_k 128, chunk_size 3, r 60.
   """
   require(isinstance(config, RocketConfig), f"config must be a RocketConfig, got {type(config)}")
   require_int("prompt_len", prompt_len, 1)
