@@ -30,15 +30,16 @@ _set_xla_cpu_flags()
 from rocketkv_jax.attend import attend  # noqa: E402
 from rocketkv_jax.cache import (KVCache, append, cache_overflow, chunk_summaries, empty_cache,
                                 extend, full_cache)
-from rocketkv_jax.config import METHODS, Plan, RocketConfig, plan
-from rocketkv_jax.decode import decode_step, prefill
+from rocketkv_jax.config import METHODS, STAGE2, Plan, RocketConfig, plan
+from rocketkv_jax.decode import decode_step, decoding_cache, prefill
 from rocketkv_jax.evict import evict
 from rocketkv_jax.multiturn import MTState, begin_turn
 from rocketkv_jax.select import select
+from rocketkv_jax.stage2_lowrank import LowRankState
 
 __all__ = [
-    "KVCache", "METHODS", "MTState", "Plan", "RocketConfig", "append", "attend", "begin_turn",
-    "cache_overflow", "chunk_summaries", "decode_step", "empty_cache", "evict", "extend",
-    "full_cache", "generate", "plan", "prefill", "select",
+    "KVCache", "LowRankState", "METHODS", "MTState", "Plan", "RocketConfig", "STAGE2", "append",
+    "attend", "begin_turn", "cache_overflow", "chunk_summaries", "decode_step", "decoding_cache",
+    "empty_cache", "evict", "extend", "full_cache", "generate", "plan", "prefill", "select",
 ]
 from rocketkv_jax.generate import generate

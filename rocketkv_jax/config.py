@@ -45,6 +45,10 @@ METHODS: dict[str, str] = {
 
 DENSE_METHODS = ("full", "snapkv")
 
+# Stage-2 scorers of `rocketkv` / `rocketkv_mt` (RocketConfig.stage2); see `plan`'s docstring.
+STAGE2 = ("minmax", "rerank", "lowrank")
+STAGE2_METHODS = ("rocketkv", "rocketkv_mt")
+
 
 @dataclasses.dataclass(frozen=True)
 class RocketConfig:
@@ -59,6 +63,13 @@ class RocketConfig:
       A fixed `alpha` reproduces the paper's ablations.
     page_size: Quest page size (tokens per min/max summary).
     sink_size: StreamingLLM attention-sink tokens.
+    stage2: the stage-2 scorer of rocketkv / rocketkv_mt, one of `STAGE2`:
+      "minmax" (the paper: chunk min/max bounds), "rerank" (chunk bounds pick
+      `rerank_factor * top_k` candidate slots, per-token scores on the same r dims keep
+      `top_k`; stage2_rerank.py), "lowrank" (page-local rank-`lowrank_rank` key summaries over
+      pages of `lowrank_page_size` slots, per-token scores; stage2_lowrank.py).
+    rerank_factor: candidates per selected slot for "rerank" (>= 1).
+    lowrank_page_size, lowrank_rank: page size P and rank R for "lowrank" (R <= P, R <= D).
   """
 
   token_budget: int
@@ -73,6 +84,12 @@ class RocketConfig:
   r: int | None = None
   page_size: int = 16
   sink_size: int = 4
+  stage2: str = "minmax"
+  # Defaults keep the bytes read per step <= 1.2x minmax at 32K / B=256 / D=128 (counted in
+  # benchmarks/decode_attention.py): rerank 1.18x, lowrank 1.13x (README, "Stage-2 variants").
+  rerank_factor: float = 1.5
+  lowrank_page_size: int = 128
+  lowrank_rank: int = 8
 
   def __post_init__(self):
     require(self.method in METHODS,
@@ -100,6 +117,14 @@ class RocketConfig:
       val = getattr(self, name)
       if val is not None:
         require_int(name, val, 1)
+    require(self.stage2 in STAGE2, f"stage2 must be one of {list(STAGE2)}, got {self.stage2!r}")
+    require(self.stage2 == "minmax" or self.method in STAGE2_METHODS,
+            f"stage2={self.stage2!r} needs method in {list(STAGE2_METHODS)}, got {self.method!r}")
+    require(isinstance(self.rerank_factor, (int, float)) and not isinstance(
+        self.rerank_factor, bool) and self.rerank_factor >= 1,
+            f"rerank_factor must be a number >= 1, got {self.rerank_factor!r}")
+    require_int("lowrank_page_size", self.lowrank_page_size, 1)
+    require_int("lowrank_rank", self.lowrank_rank, 1, self.lowrank_page_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +140,10 @@ class Plan:
       methods that read no summaries.
     r: head dims used by the approximate score.
     full_capacity: slots of the uncompressed cache kept by `rocketkv_mt` (0 otherwise).
+    stage2: "minmax" | "rerank" | "lowrank" (always "minmax" for other methods).
+    rerank_candidates: slots the chunk bounds pick for "rerank" (ceil(factor * top_k); 0
+      otherwise); capped at the cache capacity when selecting.
+    lowrank_page_size, lowrank_rank: P and R for "lowrank" (0 otherwise).
   """
 
   method: str
@@ -131,6 +160,10 @@ class Plan:
   max_new_tokens: int
   token_budget: int
   full_capacity: int = 0
+  stage2: str = "minmax"
+  rerank_candidates: int = 0
+  lowrank_page_size: int = 0
+  lowrank_rank: int = 0
 
   @property
   def num_chunks(self) -> int:
@@ -163,6 +196,20 @@ def _rocket_split(config: RocketConfig, prompt_len: int, max_new: int, head_dim:
   # Truncation, as the original RocketKV code derives r (`int(D * chunk / cr2)`).
   r = config.r if config.r is not None else min(max(int(head_dim * chunk / cr2), 1), head_dim)
   return capacity, prompt_budget, top_k, chunk, r
+
+
+def _stage2_fields(config: RocketConfig, top_k: int, head_dim: int) -> dict:
+  """The Plan fields of `config.stage2` (rocketkv / rocketkv_mt only)."""
+  if config.stage2 == "rerank":
+    return dict(stage2="rerank",
+                rerank_candidates=max(top_k, math.ceil(config.rerank_factor * top_k)))
+  if config.stage2 == "lowrank":
+    require(config.lowrank_rank <= head_dim,
+            f"lowrank_rank must be in [1, head_dim={head_dim}], got {config.lowrank_rank}")
+    # No chunk min/max summaries: the cache keeps none and `append` updates none.
+    return dict(stage2="lowrank", chunk_size=0, lowrank_page_size=config.lowrank_page_size,
+                lowrank_rank=config.lowrank_rank)
+  return {}
 
 
 def plan(config: RocketConfig, prompt_len: int, max_new_tokens: int, head_dim: int) -> Plan:
@@ -199,6 +246,7 @@ def plan(config: RocketConfig, prompt_len: int, max_new_tokens: int, head_dim: i
   else:  # rocketkv, rocketkv_mt
     capacity, pb, top_k, chunk, r = _rocket_split(config, prompt_len, max_new_tokens, head_dim)
     split = dict(capacity=capacity, prompt_budget=pb, top_k=top_k, chunk_size=chunk, r=r)
+    split.update(_stage2_fields(config, top_k, head_dim))
   if config.capacity is not None and m not in ("rocketkv", "rocketkv_mt"):
     split["capacity"] = config.capacity
   kept = min(split["prompt_budget"], prompt_len)

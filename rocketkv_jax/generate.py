@@ -287,7 +287,7 @@ def generate(
   first, cache = pre_exe(*pre_args)
   first.block_until_ready()
   prefill_s = time.perf_counter() - t0
-  kept_cache = cache[0].view if isinstance(cache[0], rocketkv.MTState) else cache[0]
+  kept_cache = rocketkv.decoding_cache(cache[0])
   kv_kept = int(np.asarray(kept_cache.length).max())
   kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
 

@@ -15,11 +15,13 @@ from rocketkv_jax._checks import require
 from rocketkv_jax.cache import KVCache, extend, full_cache, grow
 from rocketkv_jax.config import Plan
 from rocketkv_jax.evict import evict
+from rocketkv_jax.stage2_lowrank import attach
 
 
 @struct.dataclass
 class MTState:
-  """full: every token so far ([B, Hkv, C_full, D]); view: the stage-1 compressed cache."""
+  """full: every token so far ([B, Hkv, C_full, D]); view: the stage-1 compressed cache (a
+  `LowRankState` around it for stage2="lowrank")."""
 
   full: KVCache
   view: KVCache
@@ -31,7 +33,7 @@ def mt_prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
   stage 1 of it."""
   require(plan.full_capacity > 0, "plan must come from a 'rocketkv_mt' config")
   full = full_cache(k, v, max(plan.full_capacity, k.shape[2]), 0, lengths)  # no summaries
-  view = evict(k, v, q_window, plan, lengths=lengths, impl=impl)
+  view = attach(evict(k, v, q_window, plan, lengths=lengths, impl=impl), plan)
   return MTState(full=full, view=view)
 
 
@@ -58,4 +60,4 @@ def begin_turn(state: MTState, k_turn: jax.Array, v_turn: jax.Array, q_window: j
   full = extend(full, k_turn, v_turn, turn_lengths)
   view = evict(full.k, full.v, q_window, plan, lengths=full.length, impl=impl)
   # evict() numbers slots by their index in `full`, which is the absolute position there.
-  return MTState(full=full, view=view.replace(seen=full.seen))
+  return MTState(full=full, view=attach(view.replace(seen=full.seen), plan))

@@ -226,8 +226,9 @@ def select(q: jax.Array, cache: KVCache, plan: Plan, *, sliding_window: int | No
 
   Args:
     q: [B, Hq, D] decode query (post-RoPE).
-    cache: the cache (already holding the query's own token).
-    plan: from `rocketkv.plan`; `plan.method` chooses the scoring.
+    cache: the cache (already holding the query's own token); for `plan.stage2 == "lowrank"`
+      the `LowRankState` holding it.
+    plan: from `rocketkv.plan`; `plan.method` (and `plan.stage2`) choose the scoring.
     sliding_window: Mistral v0.1 window, or None.
     impl: "auto" | "xla" | "pallas" for the approximate scoring.
   Returns:
@@ -236,6 +237,10 @@ def select(q: jax.Array, cache: KVCache, plan: Plan, *, sliding_window: int | No
     picked, and the rest of the row points at invalid slots, which `attend` masks.
   """
   require(isinstance(plan, Plan), f"plan must be a Plan from rocketkv.plan(), got {type(plan)}")
+  if plan.stage2 == "lowrank":  # its own summaries, in a LowRankState (stage2_lowrank.py)
+    from rocketkv_jax import stage2_lowrank
+    return stage2_lowrank.select_lowrank(q, cache, plan, sliding_window=sliding_window)
+  require(isinstance(cache, KVCache), f"cache must be a KVCache, got {type(cache)}")
   check_query(q, cache)
   b, hkv, c, _ = cache.k.shape
   m = plan.method
@@ -259,6 +264,9 @@ def select(q: jax.Array, cache: KVCache, plan: Plan, *, sliding_window: int | No
                                          interpret=interpret)
   else:
     chunk = approx_bounds_scores_xla(q, cache.bounds, cache.length, cache.chunk_size, plan.r)
+  if plan.stage2 == "rerank":  # per-token scores of the chunks' candidates (stage2_rerank.py)
+    from rocketkv_jax import stage2_rerank
+    return stage2_rerank.select_rerank(q, cache, plan, chunk, valid, sliding_window)
   if sliding_window is None:
     return top_prefix_slots(chunk, cache.length, cache.chunk_size, k)
   return top_slots(chunk, valid, cache.chunk_size, k)

@@ -51,10 +51,11 @@ def _recall(k, v, qw, lengths, *, plan):
     q = qq[:, :, -1]
     probs = _exact_probs(q, kk, lengths)
     state = rocketkv.prefill(kk, vv, qq, plan, lengths=lengths)
-    cache = state.view if isinstance(state, MTState) else state
+    view = state.view if isinstance(state, MTState) else state
+    cache = rocketkv.decoding_cache(state)
     kept_ok = jnp.arange(cache.capacity)[None, None, :] < cache.length[:, None, None]
     kept = _mass(probs, cache.pos, kept_ok)
-    idx = rocketkv.select(q, cache, plan)
+    idx = rocketkv.select(q, view, plan)
     sel_ok = jnp.take_along_axis(kept_ok, idx, axis=2) & (idx < cache.capacity)
     pos = jnp.take_along_axis(cache.pos, jnp.clip(idx, 0, cache.capacity - 1), axis=2)
     read = _mass(probs, pos, sel_ok)
