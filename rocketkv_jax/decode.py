@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 
+from rocketkv_jax import stage2_rerank
 from rocketkv_jax._checks import require
 from rocketkv_jax.attend import attend, attend_dense_before_append
 from rocketkv_jax.cache import KVCache, append, full_cache
@@ -88,6 +89,9 @@ def decode_step(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache, plan: P
     return attend_dense_before_append(q, cache, k_new, v_new, sliding_window=sliding_window), new
   # Selection and attention read the cache after the append: reads after an in-place write
   # need no copy (16-bit caches are stored as bits so that the write is in place: cache.py).
+  if plan.stage2 == "rerank":  # attends from the candidate K rows it read (stage2_rerank.py)
+    return stage2_rerank.decode_attend(q, new, plan, sliding_window=sliding_window,
+                                       impl=impl), new
   state = new if lowrank is None else lowrank.replace(cache=new)
   idx = select(q, state, plan, sliding_window=sliding_window, impl=impl)
   return attend(q, new, idx, sliding_window=sliding_window, impl=impl), state

@@ -220,6 +220,21 @@ def check_query(q: jax.Array, cache: KVCache, name: str = "q") -> None:
   group_size(q.shape[1], hkv, name)
 
 
+def chunk_scores(q: jax.Array, cache: KVCache, plan: Plan, impl: str = "auto") -> jax.Array:
+  """[B, Hkv, NC] chunk scores of the summary methods: Quest's bounds, else RocketKV's."""
+  require(plan.chunk_size == cache.chunk_size,
+          f"plan.chunk_size={plan.chunk_size} must match the cache's {cache.chunk_size}")
+  which, interpret = _impl.resolve(impl)
+  if plan.method == "quest":
+    return quest_bounds_scores_xla(q, cache.bounds, cache.length, cache.chunk_size)
+  if which == "pallas":
+    from rocketkv_jax import kernels
+    return kernels.approx_bounds_scores(q, cache.bounds, cache.length,
+                                        chunk_size=cache.chunk_size, r=plan.r,
+                                        interpret=interpret)
+  return approx_bounds_scores_xla(q, cache.bounds, cache.length, cache.chunk_size, plan.r)
+
+
 def select(q: jax.Array, cache: KVCache, plan: Plan, *, sliding_window: int | None = None,
            impl: str = "auto") -> jax.Array:
   """Stage 2: the slots each KV head attends to.
@@ -252,18 +267,7 @@ def select(q: jax.Array, cache: KVCache, plan: Plan, *, sliding_window: int | No
   valid = valid_slots(cache, sliding_window)
   if m == "exact_topk":
     return top_slots(exact_slot_scores_xla(q, cache.k, valid), valid, 1, k)
-  require(plan.chunk_size == cache.chunk_size,
-          f"plan.chunk_size={plan.chunk_size} must match the cache's {cache.chunk_size}")
-  which, interpret = _impl.resolve(impl)
-  if m == "quest":
-    chunk = quest_bounds_scores_xla(q, cache.bounds, cache.length, cache.chunk_size)
-  elif which == "pallas":
-    from rocketkv_jax import kernels
-    chunk = kernels.approx_bounds_scores(q, cache.bounds, cache.length,
-                                         chunk_size=cache.chunk_size, r=plan.r,
-                                         interpret=interpret)
-  else:
-    chunk = approx_bounds_scores_xla(q, cache.bounds, cache.length, cache.chunk_size, plan.r)
+  chunk = chunk_scores(q, cache, plan, impl)
   if plan.stage2 == "rerank":  # per-token scores of the chunks' candidates (stage2_rerank.py)
     from rocketkv_jax import stage2_rerank
     return stage2_rerank.select_rerank(q, cache, plan, chunk, valid, sliding_window)

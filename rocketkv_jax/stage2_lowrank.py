@@ -134,8 +134,9 @@ def slot_logits_xla(q: jax.Array, state: LowRankState, window: int):
   hkv, c = cache.k.shape[1], cache.capacity
   g = hq // hkv
   qg = q.reshape(b, hkv, g, d).astype(jnp.float32) * lax.rsqrt(jnp.float32(d))
-  qb = jnp.einsum("bhgd,bhprd->bhgpr", qg, state.basis.astype(jnp.float32))  # [B,Hkv,G,NP,R+1]
   np_, p = state.num_pages, state.page_size
+  basis = state.basis.reshape(b, hkv, np_ * (state.rank + 1), d).astype(jnp.float32)
+  qb = jnp.einsum("bhgd,bhkd->bhgk", qg, basis).reshape(b, hkv, g, np_, state.rank + 1)
   coef = state.coef.astype(jnp.float32).reshape(b, hkv, np_, p, state.rank)
   approx = qb[..., :1] + jnp.einsum("bhgpr,bhpsr->bhgps", qb[..., 1:], coef)  # [B,Hkv,G,NP,P]
   approx = approx.reshape(b, hkv, g, np_ * p)

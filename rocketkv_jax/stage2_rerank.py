@@ -5,13 +5,16 @@ slots on 64-dim heads the top-k reads whole chunks around a few strong tokens an
 (issue #13). Here the chunk scores only shortlist `M = plan.rerank_candidates` slots (about
 `rerank_factor * top_k`); each candidate is then scored on its own key, on the same r dims:
 
-1. r dims, the sign choice and SparQ's temperature exactly as the chunk score (`select.py`);
-2. candidate scores q_r . k_r from one gather of those r dims of the M candidate keys (`cache.k`);
+1. r dims and SparQ's temperature exactly as the chunk score (`select.py`);
+2. candidate scores q_r . k_r (exact on those dims, no sign choice: the keys themselves) from
+   one gather of the M candidate key rows (`cache.k`);
 3. softmax over the candidates per query head (invalid candidates masked), summed over the group;
 4. the `top_k` best candidates (ties to the better chunk score).
 
-Extra read per step over "minmax": M * r key values per KV head. M = ceil(1.5 * top_k) keeps the
-step at <= 1.2x minmax's bytes at 32K / B=256 / D=128 (see README, "Stage-2 variants").
+In `decode_step` (`decode_attend`) the attention takes the selected K rows from the M candidate
+rows already read, so the step reads the r x NC bounds, M K rows and top_k V rows per KV head
+(minmax: top_k K rows and V rows). M = ceil(1.5 * top_k) keeps that at 1.13x minmax's bytes at
+32K / B=256 / D=128 (README, "Stage-2 variants").
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from rocketkv_jax.cache import KVCache
+from rocketkv_jax.cache import KVCache, valid_slots
 from rocketkv_jax.config import Plan
-from rocketkv_jax.select import _group_softmax_sum, top_prefix_slots, top_slots
+from rocketkv_jax.select import _group_softmax_sum, chunk_scores, top_prefix_slots, top_slots
 
 
 def top_dims(q: jax.Array, hkv: int, r: int):
@@ -46,28 +49,68 @@ def top_dims(q: jax.Array, hkv: int, r: int):
   return ridx, q_r
 
 
-def candidate_scores_xla(q: jax.Array, k: jax.Array, cand: jax.Array, cand_ok: jax.Array,
-                         r: int) -> jax.Array:
-  """Per-token approximate scores of candidate slots.
+def _logits_of_rows(q: jax.Array, rows: jax.Array, r: int):
+  """q [B, Hq, D], rows [B, Hkv, M, D] float32 -> (approximate logits q_r . k_r, SparQ-scaled,
+  and exact logits q . k / sqrt(D)), each [B, Hkv, G, M] float32, from one product.
+
+  q_r . k_r is a [G, D] x [D, M] product with q zeroed outside its r dims: exactly the r-dim
+  product, from whole rows (one row gather is much cheaper on XLA:CPU than an element gather of
+  r scattered dims, and the exact logits for the attention come from the same rows)."""
+  b, hkv, _, d = rows.shape
+  g = q.shape[1] // hkv
+  ridx, q_r = top_dims(q, hkv, r)
+  # q_r scattered back to [B, Hkv, G, D]: one-hot [r, D] masks summed (r distinct dims).
+  onehot = (ridx[..., None] == jnp.arange(d)).astype(jnp.float32)  # [B, Hkv, r, D]
+  q_masked = jnp.einsum("bhgr,bhrd->bhgd", q_r, onehot)
+  q_full = q.reshape(b, hkv, g, d).astype(jnp.float32) * lax.rsqrt(jnp.float32(d))
+  logits = jnp.einsum("bhgd,bhmd->bhgm", jnp.concatenate([q_masked, q_full], axis=2), rows)
+  return logits[:, :, :g], logits[:, :, g:]
+
+
+def scores_of_rows(q: jax.Array, rows: jax.Array, ok: jax.Array, r: int) -> jax.Array:
+  """Per-token approximate scores of gathered key rows.
 
   Args:
     q: [B, Hq, D] decode query (post-RoPE).
-    k: [B, Hkv, C, D] cache keys.
-    cand: [B, Hkv, M] int32 candidate slots in [0, C).
-    cand_ok: [B, Hkv, M] bool, candidate is a valid slot.
+    rows: [B, Hkv, M, D] float32 candidate keys.
+    ok: [B, Hkv, M] bool, candidate is a valid slot.
     r: head dims kept (as for the chunk score).
   Returns:
     [B, Hkv, M] float32: softmax over the valid candidates of q_r . k_r (SparQ-scaled) per query
-    head, summed over the group; 0 where not `cand_ok`.
+    head, summed over the group; 0 where not `ok`.
   """
-  b, hkv = k.shape[:2]
-  ridx, q_r = top_dims(q, hkv, r)
-  bi = jnp.arange(b)[:, None, None, None]
-  hi = jnp.arange(hkv)[None, :, None, None]
-  # One gather of the r dims of the M candidate keys: [B, Hkv, M, r].
-  k_r = k[bi, hi, cand[..., None], ridx[:, :, None, :]].astype(jnp.float32)
-  logits = jnp.einsum("bhgr,bhmr->bhgm", q_r, k_r)
-  return _group_softmax_sum(logits, cand_ok)
+  return _group_softmax_sum(_logits_of_rows(q, rows, r)[0], ok)
+
+
+def candidate_scores_xla(q: jax.Array, k: jax.Array, cand: jax.Array, cand_ok: jax.Array,
+                         r: int) -> jax.Array:
+  """`scores_of_rows` of the candidate slots `cand [B, Hkv, M]` (in [0, C)) of `k [B, Hkv, C,
+  D]`; `cand_ok [B, Hkv, M]` marks the valid ones. Returns [B, Hkv, M] float32."""
+  rows = jnp.take_along_axis(k, cand[..., None], axis=2).astype(jnp.float32)
+  return scores_of_rows(q, rows, cand_ok, r)
+
+
+def _rerank(q, cache, plan, chunk_scores, valid, sliding_window):
+  """Returns (cand [B, Hkv, M] candidate slots, ok [B, Hkv, M] valid, best [B, Hkv, k] positions
+  of the top_k among them, exact logits [B, Hkv, G, M] of the candidates)."""
+  c, cs = cache.capacity, cache.chunk_size
+  k = min(plan.top_k, c)
+  m = min(max(plan.rerank_candidates, k), c)
+  if sliding_window is None:
+    cand = top_prefix_slots(chunk_scores, cache.length, cs, m)
+  else:
+    cand = top_slots(chunk_scores, valid, cs, m)
+  # Candidates past the valid slots (only when fewer than m are valid) may be >= C.
+  safe = jnp.minimum(cand, c - 1)
+  if sliding_window is None:
+    ok = cand < cache.length[:, None, None]
+  else:
+    ok = jnp.take_along_axis(valid, safe, axis=-1) & (cand < c)
+  rows = jnp.take_along_axis(cache.k, safe[..., None], axis=2).astype(jnp.float32)
+  approx, exact = _logits_of_rows(q, rows, plan.r)
+  scores = _group_softmax_sum(approx, ok)
+  _, best = lax.top_k(jnp.where(ok, scores, -jnp.inf), k)  # ties: the lower (better) candidate
+  return cand, ok, best, exact
 
 
 def select_rerank(q: jax.Array, cache: KVCache, plan: Plan, chunk_scores: jax.Array,
@@ -85,19 +128,28 @@ def select_rerank(q: jax.Array, cache: KVCache, plan: Plan, chunk_scores: jax.Ar
     int32 [B, Hkv, min(top_k, C)], as `select`: no slot twice; when fewer slots than that are
     valid, every valid slot and distinct invalid ones.
   """
-  c, cs = cache.capacity, cache.chunk_size
-  k = min(plan.top_k, c)
-  m = min(max(plan.rerank_candidates, k), c)
-  if sliding_window is None:
-    cand = top_prefix_slots(chunk_scores, cache.length, cs, m)
-  else:
-    cand = top_slots(chunk_scores, valid, cs, m)
-  # Candidates past the valid slots (only when fewer than m are valid) may be >= C.
-  safe = jnp.minimum(cand, c - 1)
-  if sliding_window is None:
-    ok = cand < cache.length[:, None, None]
-  else:
-    ok = jnp.take_along_axis(valid, safe, axis=-1) & (cand < c)
-  scores = candidate_scores_xla(q, cache.k, safe, ok, plan.r)
-  _, best = lax.top_k(jnp.where(ok, scores, -jnp.inf), k)  # ties: the lower (better) candidate
+  cand, _, best, _ = _rerank(q, cache, plan, chunk_scores, valid, sliding_window)
   return jnp.take_along_axis(cand, best, axis=-1)
+
+
+def decode_attend(q: jax.Array, cache: KVCache, plan: Plan, *,
+                  sliding_window: int | None = None, impl: str = "auto") -> jax.Array:
+  """Stage 2 + attention of one decode step for a "rerank" plan: `attend(q, cache,
+  select(q, cache, plan))`, with the attention logits of the selected slots taken from the
+  candidate K rows already read (K is read once, for the M candidates; V for the top_k).
+  XLA path (the Pallas kernels score the chunks). Returns [B, Hq, D] in q's dtype."""
+  valid = valid_slots(cache, sliding_window)
+  cand, ok, best, exact = _rerank(q, cache, plan, chunk_scores(q, cache, plan, impl), valid,
+                                  sliding_window)
+  c = cache.capacity
+  slots = jnp.minimum(jnp.take_along_axis(cand, best, axis=-1), c - 1)
+  sel_ok = jnp.take_along_axis(ok, best, axis=-1)[:, :, None, :]  # [B, Hkv, 1, k]
+  logits = jnp.take_along_axis(exact, best[:, :, None, :], axis=-1)  # [B, Hkv, G, k]
+  logits = jnp.where(sel_ok, logits, -jnp.inf)
+  mx = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
+  v_sel = jnp.take_along_axis(cache.v, slots[..., None], axis=2).astype(jnp.float32)
+  out = jnp.einsum("bhgk,bhkd->bhgd", p, v_sel)
+  out = out / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+  b, hq, d = q.shape
+  return out.reshape(b, hq, d).astype(q.dtype)
