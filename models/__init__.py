@@ -6,11 +6,13 @@
 
 Modules: `config` (ModelConfig), `rope`, `attention` (blockwise causal prefill), `llama`
 (the pure network: forward / prefill / decode_step), `hf_loader`, `gguf_loader`, `tokenizer`,
-`checkpoint` (orbax), `sharding` (tensor parallel), `api` (load / Model / smollm2_path).
+`checkpoint` (orbax), `sharding` (tensor parallel), `api` (load / load_config / Model /
+smollm2_path).
 """
 
-from rocketkv_jax.models.api import Model, load, smollm2_path
+from rocketkv_jax.models.api import Model, load, load_config, smollm2_path
 from rocketkv_jax.models.config import ModelConfig, RopeScaling
 from rocketkv_jax.models.tokenizer import Tokenizer
 
-__all__ = ["Model", "ModelConfig", "RopeScaling", "Tokenizer", "load", "smollm2_path"]
+__all__ = ["Model", "ModelConfig", "RopeScaling", "Tokenizer", "load", "load_config",
+           "smollm2_path"]

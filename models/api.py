@@ -82,6 +82,34 @@ def smollm2_path() -> str:
   return path
 
 
+def _kind(path: str) -> str:
+  """"hf" or "gguf" for a checkpoint path; errors name the path and what was expected."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(
+        f"model path {path!r} does not exist (expected a Hugging Face directory or a .gguf file)")
+  if os.path.isdir(path):
+    return "hf"
+  if path.endswith(".gguf"):
+    gguf_loader.check_magic(path)
+    return "gguf"
+  raise ValueError(f"model path {path!r} must be a Hugging Face directory or a .gguf file")
+
+
+def load_config(path: str) -> tuple[ModelConfig, Tokenizer | None]:
+  """A checkpoint's config and tokenizer without its weights: a fast check before `load`.
+
+  Raises the same errors as `load` for a bad path, config or GGUF header.
+  """
+  path = os.fspath(path)
+  if _kind(path) == "hf":
+    config, _ = hf_loader.read_hf_config(path)
+    return config, Tokenizer.from_hf_dir(path)
+  reader = gguf_loader.open_gguf(path)
+  meta = gguf_loader.read_metadata(reader)
+  config = gguf_loader.config_from_gguf(meta, {t.name: t for t in reader.tensors})
+  return config, Tokenizer.from_gguf_fields(meta)
+
+
 def load(path: str, dtype=jnp.float32, mesh: "jax.sharding.Mesh | None" = None) -> Model:
   """Loads an HF checkpoint directory or a GGUF file.
 
@@ -92,27 +120,25 @@ def load(path: str, dtype=jnp.float32, mesh: "jax.sharding.Mesh | None" = None) 
       columns (see `rocketkv_jax.models.sharding`), each device reading only its shard (HF).
 
   Raises:
-    FileNotFoundError: the path or a weights file is missing.
-    ValueError: unsupported architecture / rope type / dtype, or config-weights shape mismatch.
+    FileNotFoundError: the path, config.json or a weights file is missing.
+    ValueError: not a GGUF file / unreadable config, unsupported architecture / rope type /
+      dtype, or config-weights shape mismatch. Every path error names the path.
   """
   dtype = jnp.dtype(dtype)
   if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
     raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
   path = os.fspath(path)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"model path {path!r} does not exist")
+  kind = _kind(path)
   from rocketkv_jax.models import sharding as sharding_lib
 
-  if os.path.isdir(path):
+  if kind == "hf":
     config, _ = hf_loader.read_hf_config(path)
     shardings = None if mesh is None else sharding_lib.param_shardings(config, mesh)
     params = hf_loader.load_hf_params(path, config, dtype, shardings)
     return Model(config, params, Tokenizer.from_hf_dir(path), path)
-  if path.endswith(".gguf"):
-    reader = gguf_loader.open_gguf(path)
-    meta = gguf_loader.read_metadata(reader)
-    config = gguf_loader.config_from_gguf(meta, {t.name: t for t in reader.tensors})
-    shardings = None if mesh is None else sharding_lib.param_shardings(config, mesh)
-    params = gguf_loader.load_gguf_params(reader, config, dtype, shardings)
-    return Model(config, params, Tokenizer.from_gguf_fields(meta), path)
-  raise ValueError(f"path must be a Hugging Face directory or a .gguf file, got {path!r}")
+  reader = gguf_loader.open_gguf(path)
+  meta = gguf_loader.read_metadata(reader)
+  config = gguf_loader.config_from_gguf(meta, {t.name: t for t in reader.tensors})
+  shardings = None if mesh is None else sharding_lib.param_shardings(config, mesh)
+  params = gguf_loader.load_gguf_params(reader, config, dtype, shardings)
+  return Model(config, params, Tokenizer.from_gguf_fields(meta), path)

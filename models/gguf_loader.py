@@ -44,13 +44,34 @@ def _field_value(field) -> Any:
   return field.parts[field.data[0]].tolist()[0]
 
 
-def open_gguf(path: str):
-  """A `gguf.GGUFReader` (memory-mapped)."""
+GGUF_MAGIC = b"GGUF"
+
+
+def check_magic(path: str) -> None:
+  """Raises a ValueError naming `path` unless it starts with the GGUF magic bytes."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f"GGUF file {path!r} does not exist")
+  with open(path, "rb") as f:
+    magic = f.read(len(GGUF_MAGIC))
+  if magic != GGUF_MAGIC:
+    raise ValueError(f"{path!r} is not a GGUF file: expected the magic bytes {GGUF_MAGIC!r} at "
+                     f"its start, found {magic!r}")
+
+
+def open_gguf(path: str):
+  """A `gguf.GGUFReader` (memory-mapped).
+
+  Raises:
+    FileNotFoundError: no such file. ValueError (naming the file): not a readable GGUF file.
+  """
+  check_magic(path)
   import gguf
 
-  return gguf.GGUFReader(path)
+  try:
+    return gguf.GGUFReader(path)
+  except Exception as e:  # pylint: disable=broad-except  # truncated / corrupt: any error type
+    raise ValueError(f"cannot read GGUF file {path!r} (truncated or corrupt?): "
+                     f"{type(e).__name__}: {e}") from e
 
 
 def read_metadata(reader) -> dict[str, Any]:

@@ -43,9 +43,14 @@ def read_hf_config(path: str) -> tuple[ModelConfig, dict]:
   """(ModelConfig, raw config dict) from `<path>/config.json`."""
   cfg_path = os.path.join(path, "config.json")
   if not os.path.isfile(cfg_path):
-    raise FileNotFoundError(f"no config.json in Hugging Face directory {path!r}")
-  with open(cfg_path) as f:
-    raw = json.load(f)
+    raise FileNotFoundError(
+        f"no config.json in {path!r}: a Hugging Face checkpoint directory needs config.json and "
+        "model.safetensors (or model.safetensors.index.json + shards)")
+  try:
+    with open(cfg_path) as f:
+      raw = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{cfg_path!r} is not valid JSON: {e}") from e
   return ModelConfig.from_hf(raw), raw
 
 

@@ -34,6 +34,14 @@ def require_float(name: str, x: Any) -> None:
           f"{name} must be a floating array, got dtype {x.dtype}")
 
 
+def require_int_array(name: str, x: Any) -> None:
+  """`x` must have an integer dtype (token counts such as `lengths`; a float would truncate)."""
+  import numpy as np
+  dtype = np.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype
+  require(np.issubdtype(dtype, np.integer),
+          f"{name} must be an integer array (token counts), got dtype {dtype}")
+
+
 def group_size(num_q_heads: int, num_kv_heads: int, q_name: str = "q") -> int:
   """G = Hq // Hkv; Hq must be a positive multiple of Hkv."""
   require(num_kv_heads > 0 and num_q_heads % num_kv_heads == 0 and num_q_heads > 0,

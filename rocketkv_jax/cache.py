@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from rocketkv_jax._checks import require, require_rank
+from rocketkv_jax._checks import require, require_int_array, require_rank
 
 
 # Whether 16-bit float caches are stored as uint16 bits: None = on the CPU backend only (GPU
@@ -283,6 +283,8 @@ def extend(cache: KVCache, k: jax.Array, v: jax.Array,
           f"got {k.shape} and {v.shape}")
   require(k.dtype == cache.dtype and v.dtype == cache.dtype,
           f"k, v dtype must match the cache dtype {cache.dtype}")
+  if lengths is not None:
+    require_int_array("lengths", lengths)
   c = cache.capacity
   lengths = jnp.full((b,), t, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
   i = jnp.arange(t)

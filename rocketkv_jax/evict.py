@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from rocketkv_jax import _impl
-from rocketkv_jax._checks import group_size, require, require_float, require_rank
+from rocketkv_jax._checks import (group_size, require, require_float, require_int_array,
+                                  require_rank)
 from rocketkv_jax.cache import KVCache, from_kept
 from rocketkv_jax.config import Plan
 
@@ -67,6 +68,8 @@ def _check(k, v, q_window, plan, lengths):
   require(k.shape == v.shape, f"k and v must have the same shape, got {k.shape} and {v.shape}")
   require(k.dtype == v.dtype, f"k and v must have the same dtype, got {k.dtype} and {v.dtype}")
   require_float("k", k)
+  require(q_window.dtype == k.dtype,
+          f"q_window must have the dtype of k and v ({k.dtype}), got {q_window.dtype}")
   b, hkv, l, d = k.shape
   require(q_window.shape[0] == b and q_window.shape[3] == d,
           f"q_window must have shape [B={b}, Hq, W, D={d}], got {q_window.shape}")
@@ -83,6 +86,7 @@ def _check(k, v, q_window, plan, lengths):
   if lengths is not None:
     require(getattr(lengths, "shape", None) == (b,), f"lengths must have shape [B]={(b,)}, "
             f"got {getattr(lengths, 'shape', None)}")
+    require_int_array("lengths", lengths)
 
 
 def evict(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,

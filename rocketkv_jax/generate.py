@@ -175,6 +175,21 @@ def _compiled(name, fn, static, donate, args):
   return exe, time.perf_counter() - t0
 
 
+class _Progress:
+  """`generate(verbose=True)`: "<phase> ... (N s)" lines, the phase printed before it runs."""
+
+  def __init__(self, on: bool):
+    self.on = on
+
+  def start(self, what: str) -> None:
+    if self.on:
+      print(f"{what} ...", end=" ", flush=True)
+
+  def done(self, seconds: float) -> None:
+    if self.on:
+      print("(cached)" if seconds == 0.0 else f"({seconds:.1f} s)", flush=True)
+
+
 # --------------------------------------------------------------------------- inputs
 def _encode_prompts(model, prompts, chat: bool) -> list[list[int]]:
   if isinstance(prompts, (str, np.ndarray)) or (
@@ -218,6 +233,7 @@ def generate(
     rocket_config: "rocketkv.RocketConfig | None" = None,
     block_size: int = 512,
     impl: str = "auto",
+    verbose: bool = False,
 ) -> GenerationResult:
   """Generates continuations of `prompts` with the KV method `method`.
 
@@ -237,6 +253,8 @@ def generate(
     rocket_config: a full `rocketkv.RocketConfig` (overrides method / token_budget).
     block_size: prefill attention tile.
     impl: "auto" | "xla" | "pallas" for the core's hot path ("auto": Pallas kernels on GPU).
+    verbose: print each phase as it runs, with its wall time: "compiling prefill ... (N s)",
+      "prefill of M tokens ... (N s)", "compiling decode ... (N s)" (then any `stream` output).
 
   Returns:
     `GenerationResult`.
@@ -251,7 +269,7 @@ def generate(
   if not 0.0 < top_p <= 1.0:
     raise ValueError(f"top_p must be in (0, 1], got {top_p}")
   if method not in rocketkv.METHODS:
-    raise ValueError(f"method must be one of {rocketkv.METHODS}, got {method!r}")
+    raise ValueError(f"method must be one of {tuple(rocketkv.METHODS)}, got {method!r}")
   config = model.config
   ids = _encode_prompts(model, prompts, chat)
   lengths = np.array([len(p) for p in ids], np.int32)
@@ -278,24 +296,31 @@ def generate(
   tp = jnp.float32(top_p)
   tokens_j, lengths_j = jnp.asarray(tokens), jnp.asarray(lengths)
 
+  say = _Progress(verbose)
   pre_args = (model.params, tokens_j, lengths_j, key, temp, tp)
+  say.start("compiling prefill")
   pre_exe, pre_compile = _compiled(
       "prefill", _prefill_fn,
       dict(config=config, plan=plan, greedy=greedy, block_size=block_size, impl=impl), (),
       pre_args)
+  say.done(pre_compile)
+  say.start(f"prefill of {int(lengths.sum())} tokens")
   t0 = time.perf_counter()
   first, cache = pre_exe(*pre_args)
   first.block_until_ready()
   prefill_s = time.perf_counter() - t0
+  say.done(prefill_s)
   kept_cache = rocketkv.decoding_cache(cache[0])
   kv_kept = int(np.asarray(kept_cache.length).max())
   kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
 
   dec_args = (model.params, cache, first, lengths_j, key, temp, tp, eos)
+  say.start("compiling decode")
   dec_exe, dec_compile = _compiled(
       "decode", _decode_fn,
       dict(config=config, plan=plan, greedy=greedy, max_new_tokens=max_new_tokens,
            stream=stream is not None, impl=impl), (1,), dec_args)
+  say.done(dec_compile)
   _STREAM[0] = stream
   try:
     t0 = time.perf_counter()

@@ -89,3 +89,67 @@ def test_decode_errors():
     rocketkv.decode_step(q, kn, kn, cache, PLAN, sliding_window=0)
   with pytest.raises(ValueError, match="idx must have shape"):
     rocketkv.attend(q, cache, jnp.zeros((1, 3, 4), jnp.int32))
+
+
+def test_prefill_rejects_float_lengths_and_mixed_dtypes():
+  k, v, qw = _arrays()
+  with pytest.raises(ValueError, match="lengths must be an integer array") as e:
+    rocketkv.prefill(k, v, qw, PLAN, lengths=jnp.array([60.0]))
+  assert "\n" not in str(e.value)
+  kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+  with pytest.raises(ValueError, match="q_window must have the dtype of k and v") as e:
+    rocketkv.prefill(kb, vb, qw, PLAN)  # float32 window queries, bf16 keys
+  assert "bfloat16" in str(e.value) and "float32" in str(e.value)
+  rocketkv.prefill(kb, vb, qw.astype(jnp.bfloat16), PLAN, lengths=jnp.array([60], jnp.int32))
+
+
+def test_begin_turn_rejects_float_turn_lengths():
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=32, window_size=8,
+                                             method="rocketkv_mt"), 64, 4, 16)
+  k, v, qw = _arrays()
+  state = rocketkv.prefill(k, v, qw, plan)
+  plan2 = rocketkv.plan(rocketkv.RocketConfig(token_budget=32, window_size=8,
+                                              method="rocketkv_mt"), 80, 4, 16)
+  with pytest.raises(ValueError, match="lengths must be an integer array"):
+    rocketkv.begin_turn(state, k[:, :, :16], v[:, :, :16], qw, plan2,
+                        turn_lengths=jnp.array([16.0]))
+
+
+def test_generate_method_typo_lists_the_names():
+  with pytest.raises(ValueError) as e:
+    rocketkv.generate(None, "hi", method="rocket")  # checked before the model is touched
+  msg = str(e.value)
+  assert "\n" not in msg and len(msg) < 200, msg
+  for name in rocketkv.METHODS:
+    assert repr(name) in msg
+  assert "'rocket'" in msg
+
+
+def test_loader_errors_name_the_file(tmp_path):
+  from rocketkv_jax import models
+
+  bad = tmp_path / "model.gguf"
+  bad.write_bytes(b"PK\x03\x04 not a gguf file")
+  for fn in (models.load, models.load_config):
+    with pytest.raises(ValueError, match="is not a GGUF file") as e:
+      fn(str(bad))
+    assert str(bad) in str(e.value) and "GGUF" in str(e.value)
+  empty = tmp_path / "empty.gguf"
+  empty.write_bytes(b"")
+  with pytest.raises(ValueError, match="empty.gguf' is not a GGUF file"):
+    models.load(str(empty))
+  truncated = tmp_path / "truncated.gguf"
+  truncated.write_bytes(b"GGUF\x03\x00")
+  with pytest.raises(ValueError, match="cannot read GGUF file .*truncated.gguf"):
+    models.load(str(truncated))
+  with pytest.raises(FileNotFoundError, match="no config.json in .*model.safetensors"):
+    models.load_config(str(tmp_path))
+  (tmp_path / "config.json").write_text("{not json")
+  with pytest.raises(ValueError, match="config.json' is not valid JSON"):
+    models.load(str(tmp_path))
+  with pytest.raises(FileNotFoundError, match="missing.*does not exist"):
+    models.load(str(tmp_path / "missing"))
+  other = tmp_path / "weights.bin"
+  other.write_bytes(b"0")
+  with pytest.raises(ValueError, match="must be a Hugging Face directory or a .gguf file"):
+    models.load(str(other))

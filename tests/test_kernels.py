@@ -3,7 +3,8 @@
 - interpret mode (CPU) equals the XLA functions across GQA groups 1/3/4/8, head dims 64/128,
   bf16/fp32, ragged lengths, nearly empty and full caches, sizes off the block multiples;
 - each kernel lowers for CUDA (Triton custom call) at Llama-3.1-8B and SmolLM2 shapes, and the
-  embedded Triton IR module verifies, with every tt.dot dim >= 16;
+  embedded Triton IR module verifies, with every tt.dot dim >= 16 (the chunk-score kernel has
+  none);
 - decode_step(impl="pallas") equals impl="xla" over 20 rocketkv decode steps.
 Shapes are small: the whole file runs in well under two minutes on two CPU cores.
 """
@@ -244,7 +245,10 @@ def test_kernels_lower_for_cuda(model):
     assert len(mods) == (2 if name.startswith("window") else 1), name
     for text in mods:
       dims = _dot_dims(text)
-      assert dims and min(dims) >= 16, (name, dims)
+      if name == "approx":  # fp32 elementwise products over gathered rows: no tt.dot
+        assert not dims and "tt.load" in text, (name, dims)
+      else:
+        assert dims and min(dims) >= 16, (name, dims)
 
 
 # ---------------------------------------------------------------- decode_step end to end
