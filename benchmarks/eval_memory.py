@@ -51,11 +51,11 @@ def main(argv=None):
   if a.mode == "programs":
     cfg = harness.SweepConfig(tasks=("vt",), context_lengths=(a.length,), budgets=BUDGETS,
                               methods=METHODS, batch_size=10)
-    mn = harness._max_new(cfg, "vt")
+    mn = harness.max_new_tokens_for(cfg, "vt")
     run = runner_lib.Runner(model)
-    confs = [(m, b if b is not None else max(BUDGETS)) for m, b in harness._configs(cfg)]
+    confs = [(m, b if b is not None else max(BUDGETS)) for m, b in harness.decode_configs(cfg)]
     t0 = time.perf_counter()
-    run.precompile(confs, cfg.batch_size, harness._padded_len(model, a.length, mn), mn)
+    run.precompile(confs, cfg.batch_size, harness.padded_len(model, a.length, mn), mn)
     for fut in run._futures.values():
       fut.result()
     _rss(f"{len(confs)} programs alive ({time.perf_counter() - t0:.0f} s)")

@@ -1,4 +1,8 @@
-"""Small static helpers shared by the Pallas (Triton backend) kernels."""
+"""Small static helpers shared by the Pallas (Triton backend) kernels.
+
+Input checks use the core's helpers (`rocketkv_jax._checks`): the same ValueErrors, raised
+before tracing.
+"""
 
 from __future__ import annotations
 
@@ -38,13 +42,3 @@ def dot_precision(dtype) -> lax.Precision | None:
 def safe_max(m):
   """Running max with -inf (no valid entry yet) replaced by 0, so exp(x - m) stays finite."""
   return jnp.where(m == NEG_INF, 0.0, m)
-
-
-def check(cond: bool, msg: str) -> None:
-  if not cond:
-    raise ValueError(msg)
-
-
-def check_rank(name: str, x, rank: int, layout: str) -> None:
-  check(getattr(x, "ndim", None) == rank,
-        f"{name} must have shape {layout} (rank {rank}), got shape {getattr(x, 'shape', None)}")

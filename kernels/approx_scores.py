@@ -25,11 +25,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._util import NEG_INF, cdiv, check, check_rank, compiler_params, next_pow2, padded_dim
+from rocketkv_jax._checks import group_size, require, require_rank
+from rocketkv_jax.ops import approx_scale, group_queries, masked_softmax, top_r_dims
+
+from ._util import cdiv, compiler_params, next_pow2, padded_dim
 
 
 def _kernel(rows_ref, q_ref, b_ref, o_ref, *, num_chunks: int, group: int, block_c: int):
@@ -53,28 +55,23 @@ def _group_softmax_sum(logits, length, chunk_size: int):
   (as `rocketkv_jax.select`'s XLA path)."""
   nc = logits.shape[-1]
   ok = (jnp.arange(nc) * chunk_size < length[:, None])[:, None, None, :]
-  logits = jnp.where(ok, logits, NEG_INF)
-  mx = jnp.max(logits, axis=-1, keepdims=True)
-  p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
-  p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
-  return jnp.sum(p, axis=2)
+  return jnp.sum(masked_softmax(logits, ok), axis=2)
 
 
 def _check(q, bounds, length, chunk_size, r):
-  check_rank("q", q, 3, "[B, Hq, D]")
-  check_rank("bounds", bounds, 4, "[B, Hkv, 2D, NC]")
+  require_rank("q", q, 3, "[B, Hq, D]")
+  require_rank("bounds", bounds, 4, "[B, Hkv, 2D, NC]")
   b, hkv, d2, nc = bounds.shape
   d = q.shape[2]
-  check(q.shape[0] == b and d2 == 2 * d,
-        f"q [B, Hq, D] and bounds [B, Hkv, 2D, NC] disagree: {q.shape} and {bounds.shape}")
-  check(q.shape[1] % hkv == 0 and q.shape[1] > 0,
-        f"q heads Hq={q.shape[1]} must be a positive multiple of the KV heads Hkv={hkv}")
-  check(getattr(length, "shape", None) == (b,),
-        f"length must have shape [B]={(b,)}, got {getattr(length, 'shape', None)}")
-  check(isinstance(chunk_size, int) and chunk_size >= 1,
-        f"chunk_size must be an int >= 1, got {chunk_size!r}")
-  check(isinstance(r, int) and 1 <= r <= d, f"r must be an int in [1, D={d}], got {r!r}")
-  check(nc >= 1, "the bounds must hold at least one chunk")
+  require(q.shape[0] == b and d2 == 2 * d,
+          f"q [B, Hq, D] and bounds [B, Hkv, 2D, NC] disagree: {q.shape} and {bounds.shape}")
+  group_size(q.shape[1], hkv, "q")
+  require(getattr(length, "shape", None) == (b,),
+          f"length must have shape [B]={(b,)}, got {getattr(length, 'shape', None)}")
+  require(isinstance(chunk_size, int) and chunk_size >= 1,
+          f"chunk_size must be an int >= 1, got {chunk_size!r}")
+  require(isinstance(r, int) and 1 <= r <= d, f"r must be an int in [1, D={d}], got {r!r}")
+  require(nc >= 1, "the bounds must hold at least one chunk")
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "r", "interpret", "block_c",
@@ -99,21 +96,19 @@ def approx_bounds_scores(q: jax.Array, bounds: jax.Array, length: jax.Array, *,
     `rocketkv_jax.select.approx_chunk_scores_xla`.
   """
   _check(q, bounds, length, chunk_size, r)
-  check(block_c >= 16 and block_c == next_pow2(block_c),
-        f"block_c must be a power of two >= 16, got {block_c}")
+  require(block_c >= 16 and block_c == next_pow2(block_c),
+          f"block_c must be a power of two >= 16, got {block_c}")
   b, hq, d = q.shape
   hkv, nc = bounds.shape[1], bounds.shape[3]
   g = hq // hkv
   rp = padded_dim(r)
 
-  qg = q.reshape(b, hkv, g, d).astype(jnp.float32)
-  qabs = jnp.abs(qg)
-  _, ridx = lax.top_k(jnp.sum(qabs, axis=2), r)  # [B, Hkv, r]
-  pos = jnp.take_along_axis(jnp.sum(qg, axis=2) > 0, ridx, axis=-1)  # sign of the group sum
+  qg = group_queries(q, hkv).astype(jnp.float32)
+  ridx, positive = top_r_dims(qg, r)  # [B, Hkv, r], [B, Hkv, D]
+  pos = jnp.take_along_axis(positive, ridx, axis=-1)
   rows = ridx + d * pos.astype(ridx.dtype)  # [B, Hkv, r] rows of bounds
   q_r = jnp.take_along_axis(qg, ridx[:, :, None, :], axis=-1)  # [B, Hkv, G, r]
-  frac = jnp.sum(jnp.abs(q_r), axis=-1) / jnp.maximum(jnp.sum(qabs, axis=-1), 1e-30)
-  q_r = q_r * lax.rsqrt(jnp.float32(d) * jnp.where(frac > 0, frac, 1.0))[..., None]
+  q_r = q_r * approx_scale(q_r, qg)[..., None]  # the temperature correction, folded into q_r
   rows = jnp.pad(rows.astype(jnp.int32), ((0, 0), (0, 0), (0, rp - r)), constant_values=-1)
   q_r = jnp.pad(q_r, ((0, 0), (0, 0), (0, 0), (0, rp - r)))
 
@@ -138,12 +133,12 @@ def approx_chunk_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: 
   """`approx_bounds_scores` for summaries given as kmin, kmax [B, Hkv, NC, D] (a transposed
   copy is made; a `KVCache` already holds `bounds`). Equals
   `rocketkv_jax.select.approx_chunk_scores_xla`."""
-  check_rank("kmin", kmin, 4, "[B, Hkv, NC, D]")
-  check(kmin.shape == kmax.shape,
-        f"kmin and kmax must have the same shape, got {kmin.shape} and {kmax.shape}")
-  check(kmin.shape[2] >= 1, "kmin / kmax must hold at least one chunk")
-  check(getattr(q, "ndim", None) == 3 and q.shape[-1] == kmin.shape[-1],
-        f"q must have shape [B, Hq, D={kmin.shape[-1]}], got {getattr(q, 'shape', None)}")
+  require_rank("kmin", kmin, 4, "[B, Hkv, NC, D]")
+  require(kmin.shape == kmax.shape,
+          f"kmin and kmax must have the same shape, got {kmin.shape} and {kmax.shape}")
+  require(kmin.shape[2] >= 1, "kmin / kmax must hold at least one chunk")
+  require(getattr(q, "ndim", None) == 3 and q.shape[-1] == kmin.shape[-1],
+          f"q must have shape [B, Hq, D={kmin.shape[-1]}], got {getattr(q, 'shape', None)}")
   from rocketkv_jax.cache import bounds_of
   return approx_bounds_scores(q, bounds_of(kmin, kmax), length, chunk_size=chunk_size, r=r,
                               **kwargs)

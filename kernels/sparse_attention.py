@@ -23,8 +23,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._util import (NEG_INF, cdiv, check, check_rank, compiler_params, dot_precision,
-                    next_pow2, padded_dim, safe_max)
+from rocketkv_jax._checks import group_size, require, require_rank
+from rocketkv_jax.ops import group_queries
+
+from ._util import (NEG_INF, cdiv, compiler_params, dot_precision, next_pow2, padded_dim,
+                    safe_max)
 
 # Aim for about this many programs per call (an H200 has 132 SMs); splits are capped so each
 # still has at least one block of slots.
@@ -73,22 +76,21 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, *out_refs, block_k: int, num_blocks: i
 
 
 def _check(q, k, v, idx, valid):
-  check_rank("q", q, 3, "[B, Hq, D]")
-  check_rank("k", k, 4, "[B, Hkv, C, D]")
-  check_rank("idx", idx, 3, "[B, Hkv, K]")
-  check(k.shape == v.shape, f"k and v must have the same shape, got {k.shape} and {v.shape}")
+  require_rank("q", q, 3, "[B, Hq, D]")
+  require_rank("k", k, 4, "[B, Hkv, C, D]")
+  require_rank("idx", idx, 3, "[B, Hkv, K]")
+  require(k.shape == v.shape, f"k and v must have the same shape, got {k.shape} and {v.shape}")
   b, hkv, c, d = k.shape
-  check(q.shape[0] == b and q.shape[2] == d,
+  require(q.shape[0] == b and q.shape[2] == d,
         f"q must have shape [B={b}, Hq, D={d}], got {q.shape}")
-  check(q.shape[1] % hkv == 0 and q.shape[1] > 0,
-        f"q heads Hq={q.shape[1]} must be a positive multiple of the KV heads Hkv={hkv}")
-  check(idx.shape[:2] == (b, hkv) and idx.shape[2] >= 1,
+  group_size(q.shape[1], hkv, "q")
+  require(idx.shape[:2] == (b, hkv) and idx.shape[2] >= 1,
         f"idx must have shape [B={b}, Hkv={hkv}, K>=1], got {idx.shape}")
-  check(valid.shape == idx.shape, f"valid must have idx's shape {idx.shape}, got {valid.shape}")
-  check(jnp.issubdtype(idx.dtype, jnp.integer), f"idx must be integer, got {idx.dtype}")
-  check(c >= 1, "the cache must have at least one slot")
+  require(valid.shape == idx.shape, f"valid must have idx's shape {idx.shape}, got {valid.shape}")
+  require(jnp.issubdtype(idx.dtype, jnp.integer), f"idx must be integer, got {idx.dtype}")
+  require(c >= 1, "the cache must have at least one slot")
   for name, x in (("q", q), ("k", k), ("v", v)):
-    check(jnp.issubdtype(x.dtype, jnp.floating), f"{name} must be floating, got {x.dtype}")
+    require(jnp.issubdtype(x.dtype, jnp.floating), f"{name} must be floating, got {x.dtype}")
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_k", "num_splits", "num_warps",
@@ -112,7 +114,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, idx: jax.Array, v
     with no valid slot. Equals `rocketkv_jax.attend.sparse_attention_xla`.
   """
   _check(q, k, v, idx, valid)
-  check(block_k >= 16 and block_k == next_pow2(block_k),
+  require(block_k >= 16 and block_k == next_pow2(block_k),
         f"block_k must be a power of two >= 16, got {block_k}")
   b, hq, d = q.shape
   hkv, c = k.shape[1], k.shape[2]
@@ -121,7 +123,7 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, idx: jax.Array, v
   gp, dp = padded_dim(g), padded_dim(d)
   cdt = jnp.promote_types(q.dtype, k.dtype)
 
-  qg = q.reshape(b, hkv, g, d).astype(cdt)
+  qg = group_queries(q, hkv).astype(cdt)
   qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, dp - d)))
   if dp != d:  # head dim not a power of two >= 16: padded copy of the cache (slow path)
     pad = ((0, 0), (0, 0), (0, 0), (0, dp - d))

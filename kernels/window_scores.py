@@ -25,8 +25,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._util import (NEG_INF, cdiv, check, check_rank, compiler_params, dot_precision,
-                    next_pow2, padded_dim, safe_max)
+from rocketkv_jax._checks import group_size, require, require_rank
+
+from ._util import (NEG_INF, cdiv, compiler_params, dot_precision, next_pow2, padded_dim,
+                    safe_max)
 
 _TARGET_PROGRAMS = 256
 
@@ -94,19 +96,17 @@ def _colsum_kernel(len_ref, q_ref, k_ref, m_ref, l_ref, o_ref, *, split_len: int
 
 
 def _check(q_window, k, lengths):
-  check_rank("q_window", q_window, 4, "[B, Hq, W, D]")
-  check_rank("k", k, 4, "[B, Hkv, L, D]")
+  require_rank("q_window", q_window, 4, "[B, Hq, W, D]")
+  require_rank("k", k, 4, "[B, Hkv, L, D]")
   b, hkv, l, d = k.shape
-  check(q_window.shape[0] == b and q_window.shape[3] == d,
+  require(q_window.shape[0] == b and q_window.shape[3] == d,
         f"q_window must have shape [B={b}, Hq, W, D={d}], got {q_window.shape}")
-  check(q_window.shape[1] % hkv == 0 and q_window.shape[1] > 0,
-        f"q_window heads Hq={q_window.shape[1]} must be a positive multiple of the KV heads "
-        f"Hkv={hkv}")
-  check(1 <= q_window.shape[2] <= l, f"window W={q_window.shape[2]} must be in [1, L={l}]")
-  check(getattr(lengths, "shape", None) == (b,),
+  group_size(q_window.shape[1], hkv, "q_window")
+  require(1 <= q_window.shape[2] <= l, f"window W={q_window.shape[2]} must be in [1, L={l}]")
+  require(getattr(lengths, "shape", None) == (b,),
         f"lengths must have shape [B]={(b,)}, got {getattr(lengths, 'shape', None)}")
   for name, x in (("q_window", q_window), ("k", k)):
-    check(jnp.issubdtype(x.dtype, jnp.floating), f"{name} must be floating, got {x.dtype}")
+    require(jnp.issubdtype(x.dtype, jnp.floating), f"{name} must be floating, got {x.dtype}")
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_l", "num_splits",

@@ -27,11 +27,13 @@ Entry points:
     built by `rocketkv.prefill` for the plan's method.
   * `decode_step(params, cache, tokens, positions)` -- the pure step
     `(params, cache, tokens, positions) -> (logits, cache)` over `rocketkv.decode_step`.
+  * `turn_prefill(params, caches, tokens, turn_lengths)` -- a later turn's prompt run densely
+    over per-layer caches (multi-turn evaluation).
+Building blocks, public for other model-level code: `qkv`, `attn_residual`, `mlp_residual`,
+`unembed`, `window_indices`.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from typing import Any
 
@@ -40,9 +42,13 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from rocketkv_jax.attend import dense_attention_xla
+from rocketkv_jax.decode import decode_step as kv_decode_step
+from rocketkv_jax.decode import prefill as kv_prefill
 from rocketkv_jax.models.attention import blockwise_causal_attention
 from rocketkv_jax.models.config import ModelConfig
 from rocketkv_jax.models.rope import apply_rope
+from rocketkv_jax.ops import group_queries
 
 Params = dict[str, Any]
 
@@ -94,7 +100,7 @@ def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
   return weight * y.astype(x.dtype)
 
 
-def _qkv(lp: Params, config: ModelConfig, x: jnp.ndarray, positions: jnp.ndarray,
+def qkv(lp: Params, config: ModelConfig, x: jnp.ndarray, positions: jnp.ndarray,
          q_rows: jnp.ndarray | None = None):
   """x `[B, T, D]`, positions `[B, T]` -> post-RoPE q `[B, Hq, T, Dh]`, k, v `[B, Hkv, T, Dh]`.
 
@@ -113,13 +119,13 @@ def _qkv(lp: Params, config: ModelConfig, x: jnp.ndarray, positions: jnp.ndarray
   return apply_rope(q, q_pos, config), apply_rope(k, positions, config), v
 
 
-def _attn_residual(lp: Params, x: jnp.ndarray, attn: jnp.ndarray) -> jnp.ndarray:
+def attn_residual(lp: Params, x: jnp.ndarray, attn: jnp.ndarray) -> jnp.ndarray:
   """x `[B, T, D]` + o_proj(attn `[B, Hq, T, Dh]`)."""
   b, hq, t, dh = attn.shape
   return x + attn.astype(x.dtype).transpose(0, 2, 1, 3).reshape(b, t, hq * dh) @ lp["wo"]
 
 
-def _mlp_residual(lp: Params, config: ModelConfig, x: jnp.ndarray) -> jnp.ndarray:
+def mlp_residual(lp: Params, config: ModelConfig, x: jnp.ndarray) -> jnp.ndarray:
   """x + SwiGLU(RMSNorm(x))."""
   h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
   return x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
@@ -143,10 +149,10 @@ def forward(params: Params, tokens: jnp.ndarray, *, config: ModelConfig,
   x = params["embed"][tokens]
 
   def layer(x, lp):
-    q, k, v = _qkv(lp, config, x, positions)
+    q, k, v = qkv(lp, config, x, positions)
     a = blockwise_causal_attention(
         q, k, v, sliding_window=config.sliding_window, block_size=block_size)
-    x = _mlp_residual(lp, config, _attn_residual(lp, x, a))
+    x = mlp_residual(lp, config, attn_residual(lp, x, a))
     return x, None
 
   x, _ = lax.scan(layer, x, stack_layers(params))
@@ -165,8 +171,6 @@ def _last_token_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, length
   """Attention of each sequence's last valid token: q `[B, Hq, Dh]` over k, v `[B, Hkv, L, Dh]`
   (keys j < lengths[b], and within the sliding window) -> `[B, Hq, Dh]` in q's dtype: the
   core's dense decode attention with a prompt-length mask."""
-  from rocketkv_jax.attend import dense_attention_xla  # the core (imports nothing from here)
-
   j = jnp.arange(k.shape[2], dtype=jnp.int32)[None, :]
   visible = j < lengths[:, None]  # [B, L]
   if sliding_window is not None:
@@ -196,21 +200,21 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
   n = config.num_layers
 
   def layer(x, lp):
-    q, k, v = _qkv(lp, config, x, positions)
+    q, k, v = qkv(lp, config, x, positions)
     a = blockwise_causal_attention(
         q, k, v, sliding_window=config.sliding_window, block_size=block_size)
     q_window = jnp.take_along_axis(q, widx[:, None, :, None], axis=2)  # [B, Hq, W, Dh]
     out = per_layer(k, v, q_window)
-    x = _mlp_residual(lp, config, _attn_residual(lp, x, a))
+    x = mlp_residual(lp, config, attn_residual(lp, x, a))
     return x, out
 
   x, outs = lax.scan(layer, x, jax.tree.map(lambda a: a[:n - 1], stacked))
   lp = jax.tree.map(lambda a: a[n - 1], stacked)
-  q_window, k, v = _qkv(lp, config, x, positions, q_rows=widx)
+  q_window, k, v = qkv(lp, config, x, positions, q_rows=widx)
   last_out = per_layer(k, v, q_window)
   a = _last_token_attention(q_window[:, :, -1], k, v, lengths, config.sliding_window)
   x = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
-  x = _mlp_residual(lp, config, _attn_residual(lp, x, a[:, :, None, :]))
+  x = mlp_residual(lp, config, attn_residual(lp, x, a[:, :, None, :]))
   outs = tuple(jax.tree.map(lambda a, i=i: a[i], outs) for i in range(n - 1)) + (last_out,)
   return x[:, 0], outs
 
@@ -232,11 +236,9 @@ def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
     (logits `[B, V]` fp32 at each sequence's last valid token,
      cache: a tuple with one `rocketkv.prefill` state per layer).
   """
-  import rocketkv_jax as rocketkv  # the core; imported lazily (it imports nothing from here)
-
   last, cache = prompt_pass(
       params, tokens, lengths, config=config, window=plan.window_size, block_size=block_size,
-      per_layer=lambda k, v, qw: rocketkv.prefill(k, v, qw, plan, lengths=lengths, impl=impl))
+      per_layer=lambda k, v, qw: kv_prefill(k, v, qw, plan, lengths=lengths, impl=impl))
   return unembed(params, config, last), cache
 
 
@@ -254,21 +256,80 @@ def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarr
   Returns:
     (logits `[B, V]` fp32 for the next token, updated cache).
   """
-  import rocketkv_jax as rocketkv
-
   if len(cache) != config.num_layers:
     raise ValueError(f"cache must hold {config.num_layers} layer states, got {len(cache)}")
   x = params["embed"][tokens][:, None, :]  # [B, 1, D]
   pos = positions[:, None]
   new_cache = []
-  # Quest keeps its first two layers dense, as the Quest paper does (their attention is too flat
-  # for page bounds; its cache already holds every token, so only the attention changes).
-  dense = dataclasses.replace(plan, method="full")
+  # The method decides which layers stay dense (`layer=i`: e.g. Quest's first two).
   for i, (lp, state) in enumerate(zip(params["layers"], cache)):  # unrolled: in-place caches
-    q, k, v = _qkv(lp, config, x, pos)
-    layer_plan = dense if plan.method == "quest" and i < 2 else plan
-    out, state = rocketkv.decode_step(
-        q[:, :, 0], k, v, state, layer_plan, sliding_window=config.sliding_window, impl=impl)
-    x = _mlp_residual(lp, config, _attn_residual(lp, x, out[:, :, None, :]))
+    q, k, v = qkv(lp, config, x, pos)
+    out, state = kv_decode_step(q[:, :, 0], k, v, state, plan, layer=i,
+                                sliding_window=config.sliding_window, impl=impl)
+    x = mlp_residual(lp, config, attn_residual(lp, x, out[:, :, None, :]))
     new_cache.append(state)
   return unembed(params, config, x[:, 0]), tuple(new_cache)
+
+
+def _turn_attention(q, ck, cv, cvalid, tk, tv, tvalid):
+  """Turn queries over cache slots (all visible where valid) + causal turn keys.
+
+  q `[B, Hq, T, D]`, ck/cv `[B, Hkv, C, D]`, cvalid `[B, Hkv, C]`, tk/tv `[B, Hkv, T, D]`,
+  tvalid `[B, T]` -> `[B, Hq, T, D]` (fp32 softmax).
+  """
+  b, hq, t, d = q.shape
+  qg = group_queries(q, ck.shape[1]).astype(jnp.float32)
+  scale = 1.0 / np.sqrt(d)
+  s_c = jnp.einsum("bhgtd,bhcd->bhgtc", qg, ck.astype(jnp.float32)) * scale
+  s_c = jnp.where(cvalid[:, :, None, None, :], s_c, -1e30)
+  s_t = jnp.einsum("bhgtd,bhsd->bhgts", qg, tk.astype(jnp.float32)) * scale
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  s_t = jnp.where(causal[None, None, None] & tvalid[:, None, None, None, :], s_t, -1e30)
+  s = jnp.concatenate([s_c, s_t], axis=-1)
+  p = jax.nn.softmax(s, axis=-1)
+  vals = jnp.concatenate([cv, tv], axis=2).astype(jnp.float32)
+  o = jnp.einsum("bhgts,bhsd->bhgtd", p, vals)
+  return o.reshape(b, hq, t, d).astype(q.dtype)
+
+
+def turn_prefill(params: Params, caches, tokens: jnp.ndarray, turn_lengths: jnp.ndarray, *,
+                 config: ModelConfig, window: int):
+  """A later turn's prompt, run densely over per-layer `KVCache`s (multi-turn decoding).
+
+  Every turn token attends to the valid slots of its layer's cache and, causally, to the turn
+  tokens before it. Positions continue from `caches[0].seen`.
+
+  Args:
+    params: parameter pytree.
+    caches: one `rocketkv.KVCache` per layer (a list).
+    tokens: `[B, T]` int32 right-padded turn ids.
+    turn_lengths: `[B]` int32 valid turn tokens.
+    config: static `ModelConfig`.
+    window: static W: queries of the last W valid turn tokens are returned.
+  Returns:
+    (first greedy token `[B]`, k_turn, v_turn `[N, B, Hkv, T, D]`, q_window `[N, B, Hq, W, D]`),
+    ready for `rocketkv.extend` or `rocketkv.begin_turn`.
+  """
+  b, t = tokens.shape
+  seen = caches[0].seen
+  positions = seen[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  widx = window_indices(turn_lengths, t, window)
+  tvalid = jnp.arange(t)[None, :] < turn_lengths[:, None]
+  x = params["embed"][tokens]
+  layers = params["layers"]
+  if not isinstance(layers, (list, tuple)):
+    layers = [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(len(caches))]
+  ks, vs, qws = [], [], []
+  for lp, cache in zip(layers, caches):
+    q, k, v = qkv(lp, config, x, positions)
+    cvalid = jnp.broadcast_to((jnp.arange(cache.capacity) < cache.length[:, None])[:, None, :],
+                              cache.pos.shape)
+    a = _turn_attention(q, cache.k, cache.v, cvalid, k.astype(cache.k.dtype),
+                        v.astype(cache.v.dtype), tvalid)
+    x = mlp_residual(lp, config, attn_residual(lp, x, a))
+    ks.append(k)
+    vs.append(v)
+    qws.append(jnp.take_along_axis(q, widx[:, None, :, None], axis=2))
+  last = jnp.take_along_axis(x, (turn_lengths - 1)[:, None, None], axis=1)[:, 0]
+  first = jnp.argmax(unembed(params, config, last), axis=-1).astype(jnp.int32)
+  return first, jnp.stack(ks), jnp.stack(vs), jnp.stack(qws)

@@ -1,22 +1,44 @@
 """Chooses the implementation behind each hot-path function: `impl="auto" | "xla" | "pallas"`.
 
-`auto` picks the Pallas kernels on a GPU backend and the pure-jnp (XLA) path elsewhere.
-Forcing `pallas` off-GPU runs the kernels with `interpret=True` (that is how tests check them).
+The choice is made where the program runs, not where it is traced: `dispatch` wraps the two
+paths in `jax.lax.platform_dependent`, so one traced function lowers to the Pallas (Triton)
+kernels for CUDA and to the other path for every other platform. A decode step traced on a CPU
+host and exported with `jax.export(..., platforms=["cuda"])` therefore carries the Triton
+kernels. Per platform:
+
+    impl      cuda                  any other platform (cpu, rocm, tpu)
+    auto      Pallas kernels        the pure-jnp (XLA) path
+    pallas    Pallas kernels        the kernels in Pallas interpret mode (how tests check them)
+    xla       the XLA path          the XLA path
+
+Lowering for one platform lowers only that platform's branch: nothing is paid at run time.
 """
 
 from __future__ import annotations
 
-import jax
+from typing import Callable
+
+from jax import lax
 
 from rocketkv_jax._checks import require
 
 IMPLS = ("auto", "xla", "pallas")
 
 
-def resolve(impl: str) -> tuple[str, bool]:
-  """Returns (implementation, interpret) for `impl`."""
+def check(impl: str) -> None:
   require(impl in IMPLS, f"impl must be one of {IMPLS}, got {impl!r}")
-  on_gpu = jax.default_backend() == "gpu"
-  if impl == "auto":
-    return ("pallas" if on_gpu else "xla"), False
-  return impl, (impl == "pallas" and not on_gpu)
+
+
+def dispatch(impl: str, xla: Callable[[], object], pallas: Callable[[bool], object]):
+  """Runs `xla()` or `pallas(interpret)` as `impl` asks for the platform being lowered for.
+
+  Args:
+    impl: "auto" | "xla" | "pallas".
+    xla: () -> result, the pure-jnp path.
+    pallas: (interpret: bool) -> result, the kernel path (same result structure as `xla`).
+  """
+  check(impl)
+  if impl == "xla":
+    return xla()
+  other = xla if impl == "auto" else (lambda: pallas(True))
+  return lax.platform_dependent(cuda=lambda: pallas(False), default=other)

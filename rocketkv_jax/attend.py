@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from rocketkv_jax import _impl
 from rocketkv_jax._checks import require, require_rank
 from rocketkv_jax.cache import KVCache, valid_slots
+from rocketkv_jax.ops import gather_rows, group_queries
 from rocketkv_jax.select import check_query
 
 
@@ -48,25 +49,20 @@ def sparse_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, idx: jax.Arra
   Returns:
     [B, Hq, D] in q's dtype (accumulated in float32); zeros where no slot is valid.
   """
-  b, hq, d = q.shape
-  hkv = k.shape[1]
   # The gathered rows are converted to float32 as they are gathered (one fused op): the two
   # small products then run in f32, which on XLA:CPU was faster than bf16 x bf16 -> f32 (see
   # the README's decode benchmark), and the probabilities stay in f32.
-  k_sel = jnp.take_along_axis(k, idx[..., None], axis=2).astype(jnp.float32)
-  v_sel = jnp.take_along_axis(v, idx[..., None], axis=2).astype(jnp.float32)
-  qg = q.reshape(b, hkv, hq // hkv, d).astype(jnp.float32)
-  out = _softmax_combine(qg, k_sel, v_sel, valid)
-  return out.reshape(b, hq, d).astype(q.dtype)
+  k_sel = gather_rows(k, idx).astype(jnp.float32)
+  v_sel = gather_rows(v, idx).astype(jnp.float32)
+  out = _softmax_combine(group_queries(q, k.shape[1]).astype(jnp.float32), k_sel, v_sel, valid)
+  return out.reshape(q.shape).astype(q.dtype)
 
 
 def dense_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
   """Dense decode attention over every slot: q [B, Hq, D], k/v [B, Hkv, C, D], valid
   [B, Hkv, C] -> [B, Hq, D]. GQA without repeating K/V; fp32 accumulation."""
-  b, hq, d = q.shape
-  hkv = k.shape[1]
-  out = _softmax_combine(q.reshape(b, hkv, hq // hkv, d), k, v, valid)
-  return out.reshape(b, hq, d).astype(q.dtype)
+  out = _softmax_combine(group_queries(q, k.shape[1]), k, v, valid)
+  return out.reshape(q.shape).astype(q.dtype)
 
 
 def attend_dense_before_append(q: jax.Array, cache: KVCache, k_new: jax.Array,
@@ -80,16 +76,16 @@ def attend_dense_before_append(q: jax.Array, cache: KVCache, k_new: jax.Array,
   every K/V buffer each step). Returns [B, Hq, D] in q's dtype.
   """
   check_query(q, cache)
-  b, hq, d = q.shape
-  c, hkv = cache.capacity, cache.k.shape[1]
+  c = cache.capacity
   slot = jnp.arange(c)
   valid = slot < cache.length[:, None]
   valid = valid & ~((cache.length[:, None] >= c) & (slot == c - 1))  # full: slot overwritten
   valid = jnp.broadcast_to(valid[:, None, :], cache.pos.shape)
   if sliding_window is not None:
     valid = valid & (cache.seen[:, None, None] - cache.pos < sliding_window)
-  out = _softmax_combine(q.reshape(b, hkv, hq // hkv, d), cache.k, cache.v, valid, k_new, v_new)
-  return out.reshape(b, hq, d).astype(q.dtype)
+  out = _softmax_combine(group_queries(q, cache.k.shape[1]), cache.k, cache.v, valid, k_new,
+                         v_new)
+  return out.reshape(q.shape).astype(q.dtype)
 
 
 def attend(q: jax.Array, cache: KVCache, idx: jax.Array | None = None, *,
@@ -116,8 +112,10 @@ def attend(q: jax.Array, cache: KVCache, idx: jax.Array | None = None, *,
     sel_valid = (jnp.take_along_axis(valid_slots(cache, sliding_window), clipped, axis=2)
                  & (idx >= 0) & (idx < cache.capacity))
   idx = clipped
-  which, interpret = _impl.resolve(impl)
-  if which == "pallas":
-    from rocketkv_jax import kernels
+
+  def pallas(interpret):
+    from rocketkv_jax import kernels  # imported on first use (Pallas is a heavy import)
     return kernels.sparse_attention(q, cache.k, cache.v, idx, sel_valid, interpret=interpret)
-  return sparse_attention_xla(q, cache.k, cache.v, idx, sel_valid)
+
+  return _impl.dispatch(impl, lambda: sparse_attention_xla(q, cache.k, cache.v, idx, sel_valid),
+                        pallas)

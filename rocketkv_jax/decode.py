@@ -1,27 +1,28 @@
-"""`prefill` and `decode_step`: every method behind one interface, chosen by `plan.method`.
+"""`prefill`, `decode_step` and `select`: every method behind one interface, chosen by
+`plan.method` in the registry (rocketkv_jax/methods/).
 
     state = prefill(k, v, q_window, plan, lengths=lengths)   # once per layer after the prompt
     out, state = decode_step(q, k_new, v_new, state, plan)   # every generated token
 
-`decode_step` = `append` (write the new token, update its chunk's min/max) -> `select` (stage 2)
--> `attend` (exact attention over the selected slots). Dense methods skip the selection.
-`stage2="lowrank"` plans carry their key summaries next to the cache (`LowRankState`).
+A method's `decode_step` is by default `append` (write the new token, update its chunk's
+min/max) -> its `select` (stage 2) -> `attend` (exact attention over the selected slots); dense
+methods, and a method's dense layers, skip the selection.
 """
 
 from __future__ import annotations
 
 import jax
 
-from rocketkv_jax import stage2_rerank
+from rocketkv_jax import _impl, methods
 from rocketkv_jax._checks import require
-from rocketkv_jax.attend import attend, attend_dense_before_append
-from rocketkv_jax.cache import KVCache, append, full_cache
-from rocketkv_jax.config import DENSE_METHODS, Plan
-from rocketkv_jax.evict import _check as _check_prefill
-from rocketkv_jax.evict import evict, evict_streaming
-from rocketkv_jax.multiturn import MTState, mt_prefill
-from rocketkv_jax.select import check_query, select
-from rocketkv_jax.stage2_lowrank import LowRankState, attach
+from rocketkv_jax.budget import Plan
+from rocketkv_jax.cache import KVCache
+from rocketkv_jax.evict import check_prefill_inputs
+from rocketkv_jax.select import check_query
+
+
+def _check_plan(plan) -> None:
+  require(isinstance(plan, Plan), f"plan must be a Plan from rocketkv.plan(), got {type(plan)}")
 
 
 def prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
@@ -34,75 +35,64 @@ def prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
       (W = min(plan.window_size, L)); only methods with stage 1 read them.
     plan: from `rocketkv.plan`.
     lengths: [B] valid prompt lengths (None: all L).
+    impl: "auto" | "xla" | "pallas" for the stage-1 scoring.
   Returns:
-    A `KVCache` (an `MTState` for "rocketkv_mt"; for `plan.stage2 == "lowrank"` the compressed
-    cache comes in a `LowRankState`).
+    The method's state: a `KVCache` (an `MTState` for "rocketkv_mt"; any pytree in general).
   """
-  require(isinstance(plan, Plan), f"plan must be a Plan from rocketkv.plan(), got {type(plan)}")
-  _check_prefill(k, v, q_window, plan, lengths)
-  m = plan.method
-  if m in ("rocketkv", "snapkv"):
-    return attach(evict(k, v, q_window, plan, lengths=lengths, impl=impl), plan)
-  if m == "rocketkv_mt":
-    return mt_prefill(k, v, q_window, plan, lengths=lengths, impl=impl)
-  if m == "streamingllm":
-    return evict_streaming(k, v, plan, lengths=lengths)
-  return full_cache(k, v, plan.capacity, plan.chunk_size, lengths)
+  _check_plan(plan)
+  check_prefill_inputs(k, v, q_window, plan, lengths)
+  _impl.check(impl)
+  return methods.get(plan.method).prefill(k, v, q_window, plan, lengths=lengths, impl=impl)
 
 
 def decode_step(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache, plan: Plan, *,
-                sliding_window: int | None = None, impl: str = "auto"):
+                layer: int | None = None, sliding_window: int | None = None,
+                impl: str = "auto"):
   """One decode step of one layer.
 
   Args:
     q: [B, Hq, D] the new token's query (post-RoPE).
     k_new, v_new: [B, Hkv, 1, D] its key (post-RoPE) and value; dtype of the cache.
-    cache: the state `prefill` / a previous step returned (a `KVCache`, an `MTState` for
-      "rocketkv_mt", a `LowRankState` for stage2="lowrank").
+    cache: the method's state from `prefill` / a previous step.
     plan: the static plan (pass it as a static jit argument).
+    layer: this layer's index, or None. The method decides which layers stay dense
+      (`Method.dense_layers`, e.g. Quest's first two); None: none of them.
     sliding_window: Mistral v0.1 window, or None.
     impl: "auto" | "xla" | "pallas".
   Returns:
-    (out [B, Hq, D] attention output in q's dtype, new cache).
+    (out [B, Hq, D] attention output in q's dtype, new state).
   """
-  require(isinstance(plan, Plan), f"plan must be a Plan from rocketkv.plan(), got {type(plan)}")
+  _check_plan(plan)
   if sliding_window is not None:
     require(isinstance(sliding_window, int) and sliding_window >= 1,
             f"sliding_window must be an int >= 1 or None, got {sliding_window!r}")
-  if isinstance(cache, MTState):
-    require(plan.method == "rocketkv_mt", "an MTState needs a 'rocketkv_mt' plan")
-    full = append(cache.full, k_new, v_new)
-    out, view = decode_step(q, k_new, v_new, cache.view, plan,
+  _impl.check(impl)
+  method = methods.get(plan.method)
+  dense = layer is not None and layer in method.dense_layers(plan)
+  return method.decode_step(q, k_new, v_new, cache, plan, dense=dense,
                             sliding_window=sliding_window, impl=impl)
-    return out, MTState(full=full, view=view)
-  lowrank = None
-  if isinstance(cache, LowRankState):  # stage2="lowrank": the cache with its key summaries
-    lowrank, cache = cache, cache.cache
-  require((lowrank is not None) == (plan.stage2 == "lowrank"),
-          f"a stage2={plan.stage2!r} plan needs the state its prefill built, got {type(cache)}")
-  require(isinstance(cache, KVCache), f"cache must be a KVCache, got {type(cache)}")
-  check_query(q, cache)
-  require(q.dtype == cache.k.dtype or q.dtype == jax.numpy.float32,
-          f"q dtype {q.dtype} must match the cache dtype {cache.k.dtype} (or be float32)")
-  new = append(cache, k_new, v_new)
-  if plan.method in DENSE_METHODS:  # read before the write: see attend_dense_before_append
-    return attend_dense_before_append(q, cache, k_new, v_new, sliding_window=sliding_window), new
-  # Selection and attention read the cache after the append: reads after an in-place write
-  # need no copy (16-bit caches are stored as bits so that the write is in place: cache.py).
-  if plan.stage2 == "rerank":  # attends from the candidate K rows it read (stage2_rerank.py)
-    return stage2_rerank.decode_attend(q, new, plan, sliding_window=sliding_window,
-                                       impl=impl), new
-  state = new if lowrank is None else lowrank.replace(cache=new)
-  idx = select(q, state, plan, sliding_window=sliding_window, impl=impl)
-  return attend(q, new, idx, sliding_window=sliding_window, impl=impl), state
 
 
-def decoding_cache(state) -> KVCache:
-  """The `KVCache` that decode steps read inside a layer state from `prefill`: the cache itself,
-  an `MTState`'s compressed view, or a `LowRankState`'s cache."""
-  if isinstance(state, MTState):
-    state = state.view
-  if isinstance(state, LowRankState):
-    state = state.cache
-  require(isinstance(state, KVCache), f"state must hold a KVCache, got {type(state)}")
-  return state
+def select(q: jax.Array, cache, plan: Plan, *, sliding_window: int | None = None,
+           impl: str = "auto") -> jax.Array:
+  """Stage 2: the slots each KV head attends to.
+
+  Args:
+    q: [B, Hq, D] decode query (post-RoPE).
+    cache: the method's state, already holding the query's own token: a `KVCache` for most
+      methods (its `KVCache` view will do for those whose selection reads nothing else; a
+      stage2="lowrank" plan needs the `LowRankState`). The slots index `view(cache)`.
+    plan: from `rocketkv.plan`; `plan.method` chooses the scoring.
+    sliding_window: Mistral v0.1 window, or None.
+    impl: "auto" | "xla" | "pallas" for the approximate scoring.
+  Returns:
+    int32 [B, Hkv, K] slot indices, K = min(plan.top_k, C) (K = C for dense methods). Only valid
+    slots are picked while there are enough of them; when K >= valid slots every valid slot is
+    picked, and the rest of the row points at invalid slots, which `attend` masks.
+  """
+  _check_plan(plan)
+  method = methods.get(plan.method)
+  check_query(q, cache if isinstance(cache, KVCache) else method.view(cache))
+  _impl.check(impl)
+  return method.select(q, cache, plan, sliding_window=sliding_window,
+                                         impl=impl)

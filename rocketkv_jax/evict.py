@@ -16,8 +16,9 @@ from jax import lax
 from rocketkv_jax import _impl
 from rocketkv_jax._checks import (group_size, require, require_float, require_int_array,
                                   require_rank)
+from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, from_kept
-from rocketkv_jax.config import Plan
+from rocketkv_jax.ops import gather_rows, group_queries, masked_softmax, sink_recent_indices
 
 
 def window_scores_xla(q_window: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -30,20 +31,15 @@ def window_scores_xla(q_window: jax.Array, k: jax.Array, lengths: jax.Array) -> 
   Returns:
     [B, Hkv, L] float32; 0 at padding.
   """
-  b, hq, w, d = q_window.shape
-  hkv, l = k.shape[1], k.shape[2]
-  g = hq // hkv
-  q = q_window.reshape(b, hkv, g, w, d)
+  w, d = q_window.shape[2:]
+  l = k.shape[2]
+  q = group_queries(q_window, k.shape[1])
   logits = jnp.einsum("bhgwd,bhld->bhgwl", q, k, preferred_element_type=jnp.float32)
   logits = logits * (1.0 / jnp.sqrt(jnp.float32(d)))
   qpos = lengths[:, None] - w + jnp.arange(w)  # [B, W]
   kpos = jnp.arange(l)
   mask = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < lengths[:, None, None])
-  mask = mask[:, None, None]  # [B, 1, 1, W, L]
-  logits = jnp.where(mask, logits, -jnp.inf)
-  mx = jnp.max(logits, axis=-1, keepdims=True)
-  p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
-  p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+  p = masked_softmax(logits, mask[:, None, None])  # mask [B, 1, 1, W, L]
   return jnp.sum(p, axis=(2, 3))
 
 
@@ -60,7 +56,8 @@ def pooled_candidate_scores(scores: jax.Array, lengths: jax.Array, window: int,
   return jnp.where(cand, pooled, -jnp.inf)
 
 
-def _check(k, v, q_window, plan, lengths):
+def check_prefill_inputs(k, v, q_window, plan: Plan, lengths) -> None:
+  """Shapes, dtypes and plan of a prefill call (`evict`, `rocketkv.prefill`); ValueError if bad."""
   require(isinstance(plan, Plan), f"plan must be a Plan from rocketkv.plan(), got {type(plan)}")
   require_rank("k", k, 4, "[B, Hkv, L, D]")
   require_rank("v", v, 4, "[B, Hkv, L, D]")
@@ -104,7 +101,7 @@ def evict(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
     A `KVCache` of capacity `plan.capacity` holding min(prompt_budget, lengths[b]) tokens per
     sequence, in position order, with `seen = lengths`.
   """
-  _check(k, v, q_window, plan, lengths)
+  check_prefill_inputs(k, v, q_window, plan, lengths)
   b, hkv, l, d = k.shape
   w = q_window.shape[2]
   lengths = jnp.full((b,), l, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
@@ -112,12 +109,11 @@ def evict(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
   if pb >= l:  # every sequence fits: nothing to score
     pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, hkv, l))
     return from_kept(k, v, pos, lengths, lengths, plan.capacity, plan.chunk_size)
-  which, interpret = _impl.resolve(impl)
-  if which == "pallas":
-    from rocketkv_jax import kernels
-    scores = kernels.window_scores(q_window, k, lengths, interpret=interpret)
-  else:
-    scores = window_scores_xla(q_window, k, lengths)
+  def pallas(interpret):
+    from rocketkv_jax import kernels  # imported on first use (Pallas is a heavy import)
+    return kernels.window_scores(q_window, k, lengths, interpret=interpret)
+
+  scores = _impl.dispatch(impl, lambda: window_scores_xla(q_window, k, lengths), pallas)
   pri = pooled_candidate_scores(scores, lengths, w, plan.kernel_size)
   kpos = jnp.arange(l)[None, None, :]
   keep_all = (lengths <= pb)[:, None, None]
@@ -126,9 +122,8 @@ def evict(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
   _, idx = lax.top_k(pri, pb)  # [B, Hkv, pb]
   idx = jnp.sort(idx, axis=-1).astype(jnp.int32)  # valid positions come first
   kept = jnp.minimum(lengths, pb)
-  k_kept = jnp.take_along_axis(k, idx[..., None], axis=2)
-  v_kept = jnp.take_along_axis(v, idx[..., None], axis=2)
-  return from_kept(k_kept, v_kept, idx, kept, lengths, plan.capacity, plan.chunk_size)
+  return from_kept(gather_rows(k, idx), gather_rows(v, idx), idx, kept, lengths, plan.capacity,
+                   plan.chunk_size)
 
 
 def evict_streaming(k: jax.Array, v: jax.Array, plan: Plan, *,
@@ -138,13 +133,8 @@ def evict_streaming(k: jax.Array, v: jax.Array, plan: Plan, *,
   b, hkv, l, d = k.shape
   lengths = jnp.full((b,), l, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
   pb = min(plan.prompt_budget, l)
-  s = min(plan.sink_size, pb)
-  j = jnp.arange(pb)
-  recent = lengths[:, None] - (pb - s) + (j - s)  # [B, pb]
-  idx = jnp.where((j < s) | (lengths[:, None] <= pb), j, recent)
-  idx = jnp.clip(idx, 0, l - 1).astype(jnp.int32)
+  idx = jnp.clip(sink_recent_indices(lengths, pb, plan.sink_size), 0, l - 1).astype(jnp.int32)
   idx = jnp.broadcast_to(idx[:, None, :], (b, hkv, pb))
   kept = jnp.minimum(lengths, pb)
-  k_kept = jnp.take_along_axis(k, idx[..., None], axis=2)
-  v_kept = jnp.take_along_axis(v, idx[..., None], axis=2)
-  return from_kept(k_kept, v_kept, idx, kept, lengths, plan.capacity, plan.chunk_size)
+  return from_kept(gather_rows(k, idx), gather_rows(v, idx), idx, kept, lengths, plan.capacity,
+                   plan.chunk_size)

@@ -8,10 +8,10 @@
 Structure (two compiled programs per (shapes, method, budget); none per step):
   1. prefill (jit): blockwise causal attention over the right-padded prompt batch, and per layer
      `rocketkv.prefill` builds that method's KV state; returns the first sampled token.
-  2. decode (jit, cache donated): one `lax.while_loop` over `models.llama.decode_step`
-     (-> `rocketkv.decode_step` per layer), sampling each next token on device, stopping when
-     every sequence hit EOS or `max_new_tokens`. An optional streaming callback receives each
-     step's tokens through an ordered `io_callback`.
+  2. decode (jit, cache donated): `decode_loop.sample_loop` (the loop the eval runner shares)
+     over `models.llama.decode_step` (-> `rocketkv.decode_step` per layer), sampling each next
+     token on device, stopping when every sequence hit EOS or `max_new_tokens`. An optional
+     streaming callback receives each step's tokens through an ordered `io_callback`.
 
 Tensor parallelism: load the model with `rocketkv.models.load(path, mesh=make_mesh(tp))`;
 `generate` is unchanged -- GSPMD propagates the head sharding of Q/K/V into the KV caches, so
@@ -26,14 +26,16 @@ Decisions where the issue is silent:
   * The t-th generated token of sequence b gets RoPE position lengths[b] + t (right padding).
   * Tokens after a sequence's EOS are not fed back in any meaningful way (the sequence keeps
     stepping with EOS until the batch finishes) and are dropped from the result; the EOS itself
-    is dropped too.
+    is dropped too (`decode_loop`'s EOS rule).
   * `temperature == 0` is greedy (argmax); otherwise softmax(logits / temperature) restricted to
-    the smallest top-p nucleus, with `jax.random` keyed by `seed` and the step index.
+    the smallest top-p nucleus, with `jax.random` keyed by `seed` and the step index
+    (`rocketkv_jax.sampling`).
   * A cache overflow (an append into a full cache, which the core drops) raises RuntimeError on
     the host after the loop; it cannot happen with a plan made for these lengths.
   * Stats: `kv_tokens_kept` is the number of valid cache slots per layer after prefill (stage 1),
-    `kv_tokens_read` the tokens attended per decode step (top-k for sparse methods, else the
-    whole valid cache), and `compression_ratio` = (prompt + new tokens) / kv_tokens_read.
+    `kv_tokens_read` the tokens attended per decode step (the method's `tokens_read`: top-k for
+    sparse methods, else the whole valid cache), and `compression_ratio` = (prompt + new
+    tokens) / kv_tokens_read.
     Times are wall-clock with compilation reported separately (`compile_s`). `kv_cache_bytes` is
     the size of every layer's KV state; `peak_bytes` XLA's memory estimate (arguments + outputs +
     temporaries) of the larger of the two compiled programs.
@@ -48,11 +50,13 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import io_callback
 import numpy as np
 
-import rocketkv_jax as rocketkv
+from rocketkv_jax import decode_loop, methods, sampling
+from rocketkv_jax.cache import cache_overflow
+from rocketkv_jax.config import RocketConfig
+from rocketkv_jax.config import plan as make_plan
 from rocketkv_jax.models import llama
 
 
@@ -71,22 +75,6 @@ class GenerationResult:
   stats: dict[str, Any]
 
 
-# --------------------------------------------------------------------------- sampling
-def _sample(logits: jnp.ndarray, key, temperature, top_p, greedy: bool) -> jnp.ndarray:
-  """logits `[B, V]` fp32 -> token ids `[B]` int32."""
-  if greedy:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  logits = logits / jnp.maximum(temperature, 1e-6)
-  sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-  probs = jax.nn.softmax(sorted_logits, axis=-1)
-  cum = jnp.cumsum(probs, axis=-1)
-  # keep the smallest prefix whose mass reaches top_p (always at least the top token)
-  keep = (cum - probs) < top_p
-  cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-  logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
-  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
-
-
 # --------------------------------------------------------------------------- streaming
 _STREAM: list[Callable | None] = [None]
 
@@ -99,48 +87,25 @@ def _stream_trampoline(step, tokens, done):
 
 
 # --------------------------------------------------------------------------- programs
-def _prefill_fn(params, tokens, lengths, key, temperature, top_p, *, config, plan, greedy,
-                block_size, impl):
+def _prefill_fn(params, tokens, lengths, key, sampler, *, config, plan, block_size, impl):
   logits, cache = llama.prefill(params, tokens, lengths, config=config, plan=plan,
                                 block_size=block_size, impl=impl)
-  first = _sample(logits, jax.random.fold_in(key, 0), temperature, top_p, greedy)
-  return first, cache
+  return sampler(logits, jax.random.fold_in(key, 0)), cache
 
 
-def _decode_fn(params, cache, first, lengths, key, temperature, top_p, eos, *, config, plan,
-               greedy, max_new_tokens, stream, impl):
-  b = first.shape[0]
-  out = jnp.zeros((b, max_new_tokens), jnp.int32)
-  is_eos = lambda t: jnp.any(t[:, None] == eos[None, :], axis=-1) if eos.shape[0] else \
-      jnp.zeros(t.shape, bool)
+def _on_token(step, tok, done):
+  io_callback(_stream_trampoline, jax.ShapeDtypeStruct((), jnp.int32), step, tok, done,
+              ordered=True)
 
-  def emit(step, tok, out, done):
-    out = out.at[:, step].set(tok)
-    done = done | is_eos(tok)
-    if stream:
-      io_callback(_stream_trampoline, jax.ShapeDtypeStruct((), jnp.int32), step, tok, done,
-                  ordered=True)
-    return out, done
 
-  out, done = emit(0, first, out, jnp.zeros((b,), bool))
-
-  def cond(carry):
-    step, _, _, done, _ = carry
-    return (step < max_new_tokens) & ~jnp.all(done)
-
-  def body(carry):
-    step, tok, out, done, cache = carry
-    positions = lengths + step - 1  # the token being fed was generated at step - 1
-    logits, cache = llama.decode_step(params, cache, tok, positions, config=config, plan=plan,
-                                      impl=impl)
-    nxt = _sample(logits, jax.random.fold_in(key, step), temperature, top_p, greedy)
-    nxt = jnp.where(done, tok, nxt)
-    out, done = emit(step, nxt, out, done)
-    return step + 1, nxt, out, done, cache
-
-  steps, _, out, done, cache = lax.while_loop(
-      cond, body, (jnp.int32(1), first, out, done, cache))
-  return out, steps, rocketkv.cache_overflow(cache), cache
+def _decode_fn(params, cache, first, lengths, key, sampler, eos, *, config, plan,
+               max_new_tokens, stream, impl):
+  step_fn = lambda c, t, p: llama.decode_step(params, c, t, p, config=config, plan=plan,
+                                              impl=impl)
+  s = decode_loop.sample_loop(step_fn, cache, first, lengths, eos, key, sampler,
+                              max_new_tokens=max_new_tokens,
+                              on_token=_on_token if stream else None)
+  return s.tokens, s.step, cache_overflow(s.cache), s.cache
 
 
 _COMPILED: dict[Any, Any] = {}
@@ -230,7 +195,7 @@ def generate(
     eos_token_ids: Sequence[int] | None = None,
     chat: bool = False,
     stream: Callable[[int, np.ndarray, np.ndarray], None] | None = None,
-    rocket_config: "rocketkv.RocketConfig | None" = None,
+    rocket_config: RocketConfig | None = None,
     block_size: int = 512,
     impl: str = "auto",
     verbose: bool = False,
@@ -240,8 +205,8 @@ def generate(
   Args:
     model: a `rocketkv.models.Model` (from `rocketkv.models.load`).
     prompts: a string, a list of strings, a list of token ids, or a list of those.
-    method: one of `rocketkv.METHODS` ("full", "exact_topk", "snapkv", "quest", "sparq",
-      "streamingllm", "rocketkv", "rocketkv_mt").
+    method: a name from `rocketkv.METHODS` ("full", "exact_topk", "snapkv", "quest", "sparq",
+      "streamingllm", "rocketkv", "rocketkv_mt", and any registered later).
     token_budget: the method's token budget B (ignored by "full").
     max_new_tokens: >= 1 tokens to generate at most.
     temperature: 0 for greedy, else the sampling temperature (> 0).
@@ -268,8 +233,7 @@ def generate(
     raise ValueError(f"temperature must be >= 0, got {temperature}")
   if not 0.0 < top_p <= 1.0:
     raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-  if method not in rocketkv.METHODS:
-    raise ValueError(f"method must be one of {tuple(rocketkv.METHODS)}, got {method!r}")
+  method_obj = methods.get(method if rocket_config is None else rocket_config.method)
   config = model.config
   ids = _encode_prompts(model, prompts, chat)
   lengths = np.array([len(p) for p in ids], np.int32)
@@ -283,26 +247,21 @@ def generate(
   for i, p in enumerate(ids):
     tokens[i, :len(p)] = p
   if eos_token_ids is None:
-    eos_token_ids = config.eos_token_ids
-    if model.tokenizer is not None and model.tokenizer.eos_token_ids:
-      eos_token_ids = tuple(model.tokenizer.eos_token_ids)
-  eos = jnp.asarray(np.array(list(eos_token_ids), np.int32).reshape(-1))
+    eos_token_ids = decode_loop.default_eos_ids(model)
+  eos = decode_loop.eos_array(eos_token_ids)
 
-  rcfg = rocket_config or rocketkv.RocketConfig(token_budget=token_budget, method=method)
-  plan = rocketkv.plan(rcfg, length, max_new_tokens, config.head_dim)
-  greedy = temperature == 0.0
+  rcfg = rocket_config or RocketConfig(token_budget=token_budget, method=method)
+  plan = make_plan(rcfg, length, max_new_tokens, config.head_dim)
+  sampler = sampling.sampler(temperature, top_p)
   key = jax.random.PRNGKey(seed)
-  temp = jnp.float32(temperature)
-  tp = jnp.float32(top_p)
   tokens_j, lengths_j = jnp.asarray(tokens), jnp.asarray(lengths)
 
   say = _Progress(verbose)
-  pre_args = (model.params, tokens_j, lengths_j, key, temp, tp)
+  pre_args = (model.params, tokens_j, lengths_j, key, sampler)
   say.start("compiling prefill")
   pre_exe, pre_compile = _compiled(
       "prefill", _prefill_fn,
-      dict(config=config, plan=plan, greedy=greedy, block_size=block_size, impl=impl), (),
-      pre_args)
+      dict(config=config, plan=plan, block_size=block_size, impl=impl), (), pre_args)
   say.done(pre_compile)
   say.start(f"prefill of {int(lengths.sum())} tokens")
   t0 = time.perf_counter()
@@ -310,15 +269,14 @@ def generate(
   first.block_until_ready()
   prefill_s = time.perf_counter() - t0
   say.done(prefill_s)
-  kept_cache = rocketkv.decoding_cache(cache[0])
-  kv_kept = int(np.asarray(kept_cache.length).max())
+  kv_kept = int(np.asarray(method_obj.view(cache[0]).length).max())
   kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
 
-  dec_args = (model.params, cache, first, lengths_j, key, temp, tp, eos)
+  dec_args = (model.params, cache, first, lengths_j, key, sampler, eos)
   say.start("compiling decode")
   dec_exe, dec_compile = _compiled(
       "decode", _decode_fn,
-      dict(config=config, plan=plan, greedy=greedy, max_new_tokens=max_new_tokens,
+      dict(config=config, plan=plan, max_new_tokens=max_new_tokens,
            stream=stream is not None, impl=impl), (1,), dec_args)
   say.done(dec_compile)
   _STREAM[0] = stream
@@ -337,21 +295,13 @@ def generate(
         f" (capacity {plan.capacity}); the plan was made for prompt_len={length}, "
         f"max_new_tokens={max_new_tokens}")
 
-  eos_set = set(int(e) for e in eos_token_ids)
-  result_tokens = []
-  for row in out[:, :steps]:
-    toks = []
-    for t in row.tolist():
-      if t in eos_set:
-        break
-      toks.append(t)
-    result_tokens.append(toks)
+  result_tokens = decode_loop.strip_eos(out, steps, eos_token_ids)
   text = None
   if model.tokenizer is not None:
     text = [model.tokenizer.decode(t) for t in result_tokens]
 
   new = max(len(t) for t in result_tokens)
-  read = min(plan.top_k, kv_kept + steps) if plan.top_k else kv_kept + steps
+  read = method_obj.tokens_read(plan, kv_kept, steps)
   stats = dict(
       method=plan.method, token_budget=plan.token_budget, batch=len(ids),
       prompt_lengths=lengths.tolist(), new_tokens=[len(t) for t in result_tokens],

@@ -3,7 +3,8 @@
 `MTState` pairs the uncompressed cache (`full`, every token of every turn) with the compressed
 view that decoding reads (`view`). Each turn appends its prompt to `full` and re-runs stage 1 on
 it with that turn's window queries (`begin_turn`), so tokens evicted for one question can come
-back for the next. Decode steps append every new token to both caches.
+back for the next. Decode steps append every new token to both caches (the method:
+rocketkv_jax/methods/rocketkv_mt.py).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import jax
 from flax import struct
 
 from rocketkv_jax._checks import require
-from rocketkv_jax.cache import KVCache, extend, full_cache, grow
-from rocketkv_jax.config import Plan
+from rocketkv_jax.budget import Plan
+from rocketkv_jax.cache import KVCache, extend, grow
 from rocketkv_jax.evict import evict
 from rocketkv_jax.stage2_lowrank import attach
 
@@ -25,16 +26,6 @@ class MTState:
 
   full: KVCache
   view: KVCache
-
-
-def mt_prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
-               lengths: jax.Array | None = None, impl: str = "auto") -> MTState:
-  """First turn: `full` keeps every prompt token (capacity `plan.full_capacity`), `view` is
-  stage 1 of it."""
-  require(plan.full_capacity > 0, "plan must come from a 'rocketkv_mt' config")
-  full = full_cache(k, v, max(plan.full_capacity, k.shape[2]), 0, lengths)  # no summaries
-  view = attach(evict(k, v, q_window, plan, lengths=lengths, impl=impl), plan)
-  return MTState(full=full, view=view)
 
 
 def begin_turn(state: MTState, k_turn: jax.Array, v_turn: jax.Array, q_window: jax.Array,

@@ -37,7 +37,7 @@ from jax import lax
 
 from rocketkv_jax._checks import require
 from rocketkv_jax.cache import KVCache, valid_slots
-from rocketkv_jax.config import Plan
+from rocketkv_jax.budget import Plan
 from rocketkv_jax.select import _group_softmax_sum, check_query
 
 
@@ -151,7 +151,7 @@ def slot_logits_xla(q: jax.Array, state: LowRankState, window: int):
 
 def select_lowrank(q: jax.Array, state: LowRankState, plan: Plan, *,
                    sliding_window: int | None = None) -> jax.Array:
-  """The `top_k` slots per KV head from the lowrank scores; contract as `select.select`.
+  """The `top_k` slots per KV head from the lowrank scores; contract as `rocketkv.select`.
 
   Returns:
     int32 [B, Hkv, min(top_k, C)], no slot twice; when fewer slots are valid, every valid slot

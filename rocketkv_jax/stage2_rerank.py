@@ -23,9 +23,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, valid_slots
-from rocketkv_jax.config import Plan
-from rocketkv_jax.select import _group_softmax_sum, chunk_scores, top_prefix_slots, top_slots
+from rocketkv_jax.ops import approx_scale, group_queries, top_r_dims
+from rocketkv_jax.select import _group_softmax_sum, approx_scores, check_chunks, top_chunk_slots
 
 
 def top_dims(q: jax.Array, hkv: int, r: int):
@@ -39,14 +40,10 @@ def top_dims(q: jax.Array, hkv: int, r: int):
     (ridx [B, Hkv, r] int32 dims with the largest |q| summed over the group,
      q_r [B, Hkv, G, r] float32 q on those dims times 1 / sqrt(D * sum|q_r| / sum|q|)).
   """
-  b, hq, d = q.shape
-  qg = q.reshape(b, hkv, hq // hkv, d).astype(jnp.float32)
-  qabs = jnp.abs(qg)
-  _, ridx = lax.top_k(jnp.sum(qabs, axis=2), r)
+  qg = group_queries(q, hkv).astype(jnp.float32)
+  ridx, _ = top_r_dims(qg, r)
   q_r = jnp.take_along_axis(qg, ridx[:, :, None, :], axis=-1)
-  frac = jnp.sum(jnp.abs(q_r), axis=-1) / jnp.maximum(jnp.sum(qabs, axis=-1), 1e-30)
-  q_r = q_r * lax.rsqrt(jnp.float32(d) * jnp.where(frac > 0, frac, 1.0))[..., None]
-  return ridx, q_r
+  return ridx, q_r * approx_scale(q_r, qg)[..., None]
 
 
 def _logits_of_rows(q: jax.Array, rows: jax.Array, r: int):
@@ -93,19 +90,13 @@ def candidate_scores_xla(q: jax.Array, k: jax.Array, cand: jax.Array, cand_ok: j
 def _rerank(q, cache, plan, chunk_scores, valid, sliding_window):
   """Returns (cand [B, Hkv, M] candidate slots, ok [B, Hkv, M] valid, best [B, Hkv, k] positions
   of the top_k among them, exact logits [B, Hkv, G, M] of the candidates)."""
-  c, cs = cache.capacity, cache.chunk_size
+  c = cache.capacity
   k = min(plan.top_k, c)
   m = min(max(plan.rerank_candidates, k), c)
-  if sliding_window is None:
-    cand = top_prefix_slots(chunk_scores, cache.length, cs, m)
-  else:
-    cand = top_slots(chunk_scores, valid, cs, m)
+  cand = top_chunk_slots(chunk_scores, cache, m, sliding_window)
   # Candidates past the valid slots (only when fewer than m are valid) may be >= C.
   safe = jnp.minimum(cand, c - 1)
-  if sliding_window is None:
-    ok = cand < cache.length[:, None, None]
-  else:
-    ok = jnp.take_along_axis(valid, safe, axis=-1) & (cand < c)
+  ok = jnp.take_along_axis(valid, safe, axis=-1) & (cand < c)
   rows = jnp.take_along_axis(cache.k, safe[..., None], axis=2).astype(jnp.float32)
   approx, exact = _logits_of_rows(q, rows, plan.r)
   scores = _group_softmax_sum(approx, ok)
@@ -138,9 +129,10 @@ def decode_attend(q: jax.Array, cache: KVCache, plan: Plan, *,
   select(q, cache, plan))`, with the attention logits of the selected slots taken from the
   candidate K rows already read (K is read once, for the M candidates; V for the top_k).
   XLA path (the Pallas kernels score the chunks). Returns [B, Hq, D] in q's dtype."""
+  check_chunks(cache, plan.chunk_size)
   valid = valid_slots(cache, sliding_window)
-  cand, ok, best, exact = _rerank(q, cache, plan, chunk_scores(q, cache, plan, impl), valid,
-                                  sliding_window)
+  cand, ok, best, exact = _rerank(q, cache, plan, approx_scores(q, cache, plan.r, impl=impl),
+                                  valid, sliding_window)
   c = cache.capacity
   slots = jnp.minimum(jnp.take_along_axis(cand, best, axis=-1), c - 1)
   sel_ok = jnp.take_along_axis(ok, best, axis=-1)[:, :, None, :]  # [B, Hkv, 1, k]

@@ -17,7 +17,7 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def plan_split(prompt, new, budget, d):
-  """The budget split exactly as DEVELOPERS.md writes it (no clamps)."""
+  """The budget split exactly as the paper writes it (rocketkv_jax/budget.py quotes it; no clamps)."""
   t = prompt + new
   cr = t / budget
   alpha = min(0.2 + 0.06 * math.log2(cr), 0.8)

@@ -95,7 +95,7 @@ def test_multiturn_scored_per_turn_and_full_matches_generate():
       (f"multiturn_t{t}", m) for t in (1, 2) for m in ("full", "rocketkv", "rocketkv_mt")}
   # Full KV turn 2 == generate over (turn-1 prompt + turn-1 answer + turn-2 prompt).
   s = tasks.make_sample(model.tokenizer, "multiturn", 1024, 0, 0,
-                        target_tokens=harness._padded_len(model, 1024, 5 + 1 * (pad + 5)))
+                        target_tokens=harness.padded_len(model, 1024, 5 + 1 * (pad + 5)))
   by = {(r["task"], r["method"]): r for r in recs}
   conv = tasks.chat_ids(model.tokenizer, s.prompt) + by[("multiturn_t1", "full")]["tokens"]
   conv += model.tokenizer.encode(harness._turn_text(model.tokenizer, s.questions[0]))

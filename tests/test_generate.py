@@ -164,7 +164,8 @@ def test_full_cache_raises_on_the_host(monkeypatch):
     p = real_plan(*args, **kwargs)
     return dataclasses.replace(p, capacity=p.capacity - 3, chunk_size=p.capacity - 3)
 
-  monkeypatch.setattr(rocketkv, "plan", short_plan)
+  import sys
+  monkeypatch.setattr(sys.modules["rocketkv_jax.generate"], "make_plan", short_plan)
   with pytest.raises(RuntimeError, match="KV cache overflow"):
     rocketkv.generate(model, _prompts(), method="streamingllm", token_budget=32,
                       max_new_tokens=6, eos_token_ids=())

@@ -93,35 +93,3 @@ def test_top_k_at_least_length_selects_every_valid_slot():
   idx = np.asarray(rocketkv.select(jnp.ones((1, 4, 16)), cache, plan))
   for h in range(2):
     assert set(range(17)) <= set(idx[0, h].tolist())
-
-
-@given(seed=st.integers(0, 10_000), nc=st.integers(1, 12), chunk=st.integers(1, 5),
-       cut=st.integers(0, 4), ties=st.booleans(), data=st.data())
-@settings(max_examples=40, deadline=None)
-def test_top_prefix_slots_picks_the_valid_slots_of_top_slots(seed, nc, chunk, cut, ties, data):
-  """The prefix fast path (no sliding window) against the general `top_slots`: the same valid
-  slots (ties broken alike: both take chunks in `lax.top_k` order), none twice, and when fewer
-  than k are valid, every valid slot plus distinct invalid ones."""
-  from rocketkv_jax.select import top_prefix_slots, top_slots
-
-  c = max(1, nc * chunk - cut)  # capacity: the last chunk may be partial
-  nc = -(-c // chunk)
-  k = data.draw(st.integers(1, c))
-  rng = np.random.default_rng(seed)
-  lengths = rng.integers(1, c + 1, size=2)
-  scores = rng.standard_normal((2, 3, nc)).astype(np.float32)
-  if ties:
-    scores = np.round(scores)  # many equal chunk scores
-  valid = np.arange(c)[None, None, :] < lengths[:, None, None]
-  valid = np.broadcast_to(valid, (2, 3, c))
-  want = np.asarray(top_slots(jnp.asarray(scores), jnp.asarray(valid), chunk, k))
-  got = np.asarray(top_prefix_slots(jnp.asarray(scores), jnp.asarray(lengths, jnp.int32),
-                                    chunk, k))
-  assert got.shape == (2, 3, k) and got.dtype == np.int32
-  for b in range(2):
-    for h in range(3):
-      row = got[b, h].tolist()
-      assert len(set(row)) == k, "no slot twice"
-      n = int(lengths[b])
-      assert sorted(s for s in row if s < n) == sorted(s for s in want[b, h].tolist() if s < n)
-      assert sum(s < n for s in row) == min(k, n)

@@ -19,19 +19,18 @@ import jax.numpy as jnp
 from jax import lax
 
 import rocketkv_jax as rocketkv
+from rocketkv_jax import methods as methods_lib
 from rocketkv_jax.eval import variants
-from rocketkv_jax.multiturn import MTState
+from rocketkv_jax.ops import group_queries, masked_softmax
 
 
 def _exact_probs(q, k, lengths):
   """q [B, Hq, D], k [B, Hkv, L, D] -> probs [B, Hkv, G, L] over valid positions."""
-  b, hq, d = q.shape
-  hkv, length = k.shape[1], k.shape[2]
-  g = hq // hkv
-  s = jnp.einsum("bhgd,bhld->bhgl", q.reshape(b, hkv, g, d).astype(jnp.float32),
+  d = q.shape[2]
+  length = k.shape[2]
+  s = jnp.einsum("bhgd,bhld->bhgl", group_queries(q, k.shape[1]).astype(jnp.float32),
                  k.astype(jnp.float32)) / jnp.sqrt(float(d))
-  valid = (jnp.arange(length) < lengths[:, None])[:, None, None, :]
-  return jax.nn.softmax(jnp.where(valid, s, -jnp.inf), axis=-1)
+  return masked_softmax(s, (jnp.arange(length) < lengths[:, None])[:, None, None, :])
 
 
 def _mass(probs, pos, ok):
@@ -51,11 +50,10 @@ def _recall(k, v, qw, lengths, *, plan):
     q = qq[:, :, -1]
     probs = _exact_probs(q, kk, lengths)
     state = rocketkv.prefill(kk, vv, qq, plan, lengths=lengths)
-    view = state.view if isinstance(state, MTState) else state
-    cache = rocketkv.decoding_cache(state)
+    cache = methods_lib.get(plan.method).view(state)
     kept_ok = jnp.arange(cache.capacity)[None, None, :] < cache.length[:, None, None]
     kept = _mass(probs, cache.pos, kept_ok)
-    idx = rocketkv.select(q, view, plan)
+    idx = rocketkv.select(q, state, plan)  # the state: stage2="lowrank" reads its summaries
     sel_ok = jnp.take_along_axis(kept_ok, idx, axis=2) & (idx < cache.capacity)
     pos = jnp.take_along_axis(cache.pos, jnp.clip(idx, 0, cache.capacity - 1), axis=2)
     read = _mass(probs, pos, sel_ok)
@@ -69,7 +67,8 @@ def attention_recall(runner, pp, methods, budgets) -> list[dict]:
   """Rows {method, budget, kept_recall, read_recall, per_layer_read} for one prompt pass."""
   rows = []
   for m in methods:
-    for b in ([None] if variants.base_method(m) == "full" else budgets):
+    uses_budget = methods_lib.get(variants.base_method(m)).uses_budget
+    for b in (budgets if uses_budget else [None]):
       plan = runner.plan(m, b or max(budgets), pp.padded_len, 1)
       kept, read = _recall(pp.k, pp.v, pp.q_window, pp.lengths, plan=plan)
       rows.append(dict(method=m, budget=b, kept_recall=float(jnp.mean(kept)),

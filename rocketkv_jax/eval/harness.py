@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 import rocketkv_jax as rocketkv
+from rocketkv_jax import methods as methods_lib
 from rocketkv_jax.eval import longbench, tasks as tasks_lib, variants
 from rocketkv_jax.eval.runner import Runner, as_cache, layer_states
 
@@ -86,7 +87,8 @@ class SweepConfig:
       raise ValueError(f"quest_page_size must be >= 1, got {self.quest_page_size}")
 
 
-def _max_new(cfg: SweepConfig, task: str, metric: str | None = None) -> int:
+def max_new_tokens_for(cfg: SweepConfig, task: str, metric: str | None = None) -> int:
+  """Tokens generated per prompt of `task`: the config's override, else the task's own."""
   if cfg.max_new_tokens is not None:
     return cfg.max_new_tokens
   if task.startswith("lb_"):
@@ -94,14 +96,18 @@ def _max_new(cfg: SweepConfig, task: str, metric: str | None = None) -> int:
   return tasks_lib.MAX_NEW_TOKENS[task]
 
 
-def _padded_len(model, length: int, max_new: int) -> int:
+def padded_len(model, length: int, max_new: int) -> int:
+  """The prompt length a sweep pads to: `length`, shortened so that `max_new` tokens still fit
+  in the model's context."""
   return min(int(length), model.config.max_position_embeddings - max_new)
 
 
-def _configs(cfg: SweepConfig, methods=None):
+def decode_configs(cfg: SweepConfig, names=None) -> list[tuple[str, int | None]]:
+  """(method, budget) pairs a sweep decodes for `names` (default `cfg.methods`); a method that
+  ignores the budget appears once, with budget None."""
   out = []
-  for m in methods or cfg.methods:
-    if variants.base_method(m) == "full":
+  for m in names or cfg.methods:
+    if not methods_lib.get(variants.base_method(m)).uses_budget:
       out.append((m, None))
     else:
       out.extend((m, int(b)) for b in cfg.budgets)
@@ -184,8 +190,8 @@ def build_samples(model, cfg: SweepConfig) -> dict:
   out = {}
   for length in cfg.context_lengths:
     for task in cfg.tasks:
-      mn = _max_new(cfg, task)
-      p = _padded_len(model, length, mn + ((cfg.turns - 1) * (cfg.turn_pad + mn)
+      mn = max_new_tokens_for(cfg, task)
+      p = padded_len(model, length, mn + ((cfg.turns - 1) * (cfg.turn_pad + mn)
                                             if task == tasks_lib.MULTITURN_TASK else 0))
       ss = [tasks_lib.make_sample(tok, task, length, i, cfg.seed, target_tokens=p)
             for i in range(cfg.sample_start, cfg.sample_start + cfg.samples)]
@@ -193,13 +199,13 @@ def build_samples(model, cfg: SweepConfig) -> dict:
     if cfg.data_dir:
       lb = longbench.load_samples(tok, cfg.data_dir, length, datasets=cfg.datasets,
                                   max_samples=cfg.samples,
-                                  target_tokens=_padded_len(model, length, 64))
+                                  target_tokens=padded_len(model, length, 64))
       by_task: dict = {}
       for s in lb:
         by_task.setdefault(s.task, []).append(s)
       for task, ss in by_task.items():
-        mn = _max_new(cfg, task, ss[0].metric)
-        p = _padded_len(model, length, mn)
+        mn = max_new_tokens_for(cfg, task, ss[0].metric)
+        p = padded_len(model, length, mn)
         out[(task, length)] = (ss, mn, p)
   return out
 
@@ -219,10 +225,10 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True,
   total = 0
   for (task, _), (ss, _, _) in groups.items():
     if task == tasks_lib.MULTITURN_TASK:
-      total += len(ss) * (1 + len(_configs(cfg, cfg.multiturn_methods)))
+      total += len(ss) * (1 + len(decode_configs(cfg, cfg.multiturn_methods)))
     else:
       nb = -(-len(ss) // cfg.batch_size)
-      total += nb * (1 + (len(_configs(cfg)) if cfg.decode else 0))
+      total += nb * (1 + (len(decode_configs(cfg)) if cfg.decode else 0))
   bar = _Progress(total, progress)
   records: list[dict] = []
   diag: list[dict] = []
@@ -246,7 +252,8 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True,
       _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar)
       continue
     if cfg.decode and cfg.precompile:
-      runner.precompile([(m, b if b is not None else max(cfg.budgets)) for m, b in _configs(cfg)],
+      runner.precompile([(m, b if b is not None else max(cfg.budgets))
+                         for m, b in decode_configs(cfg)],
                         cfg.batch_size, p, mn)
     for start in range(0, len(ss), cfg.batch_size):
       batch = ss[start:start + cfg.batch_size]
@@ -268,7 +275,7 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True,
 
         for row in diagnostics.attention_recall(runner, pp, cfg.methods, cfg.budgets):
           diag.append(dict(task=task, context_len=length, **row))
-      for method, budget in (_configs(cfg) if cfg.decode else []):
+      for method, budget in (decode_configs(cfg) if cfg.decode else []):
         t0 = time.perf_counter()
         b = budget if budget is not None else max(cfg.budgets)
         got, _, _, _ = runner.decode(pp, method, b, mn)
@@ -301,11 +308,12 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
     pp.first.block_until_ready()
     timing["prompt_pass_s"] += time.perf_counter() - t0
     bar.update(1, "multiturn prefill")
-    for method, budget in _configs(cfg, cfg.multiturn_methods):
+    for method, budget in decode_configs(cfg, cfg.multiturn_methods):
       t0 = time.perf_counter()
       b = budget if budget is not None else max(cfg.budgets)
-      mt = method == "rocketkv_mt"
-      per_turn = method in ("rocketkv", "rocketkv_mt")  # same split per turn for both
+      method_obj = methods_lib.get(method)
+      mt = method_obj.keeps_full_cache
+      per_turn = method_obj.replan_per_turn  # rocketkv and rocketkv_mt: same split per turn
       plan = runner.plan(method, b, p, mn if per_turn else rest)
       plans[f"multiturn/{method}/{budget}/{p}+{plan.max_new_tokens}"] = _plan_dict(plan)
       got, out, steps, cache = runner.decode(pp, method, b, mn, keep_cache=True,
@@ -357,7 +365,7 @@ def _config_dict(model, cfg: SweepConfig) -> dict:
                     num_heads=model.config.num_heads, num_kv_heads=model.config.num_kv_heads,
                     max_position_embeddings=model.config.max_position_embeddings,
                     dtype=str(model.dtype))
-  c["max_new_tokens_per_task"] = {t: _max_new(cfg, t) for t in cfg.tasks}
+  c["max_new_tokens_per_task"] = {t: max_new_tokens_for(cfg, t) for t in cfg.tasks}
   c["jax_version"] = jax.__version__
   c["greedy"] = True
   return c

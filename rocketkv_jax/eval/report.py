@@ -1,7 +1,8 @@
 """Sweep outputs: JSON (config + per-sample records), Markdown tables, matplotlib plots.
 
-Scores are reported as mean x 100 over the samples of a (task, length, method, budget). "full"
-has no budget; its value is repeated in every budget column.
+Scores are reported as mean x 100 over the samples of a (task, length, method, budget). A method
+that ignores the budget ("full": `Method.uses_budget` is False) has budget None; its value is
+repeated in every budget column and it is listed first.
 """
 
 from __future__ import annotations
@@ -11,6 +12,14 @@ import json
 import os
 
 import numpy as np
+
+from rocketkv_jax import methods as methods_lib
+
+
+def _budgetless(method: str) -> bool:
+  """Whether a record's method (a name or a variant spec) ignores the budget."""
+  m = methods_lib.REGISTRY.get(method.partition(":")[0])
+  return m is not None and not m.uses_budget
 
 
 def save_json(results: dict, path: str) -> None:
@@ -85,24 +94,18 @@ def aggregate(records: list[dict]) -> dict:
   return {k: (100.0 * float(np.mean(v)), len(v)) for k, v in acc.items()}
 
 
-def _order(values, first=("full",)):
-  vals = sorted(set(values), key=str)
-  return [v for v in first if v in vals] + [v for v in vals if v not in first]
-
-
 def _axes(records):
   tasks = list(dict.fromkeys(r["task"] for r in records))
   lengths = sorted({r["context_len"] for r in records})
   methods = list(dict.fromkeys(r["method"] for r in records))
-  if "full" in methods:
-    methods = ["full"] + [m for m in methods if m != "full"]
+  methods = [m for m in methods if _budgetless(m)] + [m for m in methods if not _budgetless(m)]
   budgets = sorted({r["budget"] for r in records if r["budget"] is not None})
   return tasks, lengths, methods, budgets
 
 
 def _cell(agg, key):
   task, length, method, budget = key
-  if method == "full":
+  if _budgetless(method):
     key = (task, length, method, None)
   v = agg.get(key)
   return "" if v is None else f"{v[0]:.1f}"
@@ -137,7 +140,7 @@ def markdown(results: dict) -> str:
           continue
         cells = []
         for b in cols:
-          vals = [agg.get((t, length, m, None if m == "full" else b)) for t in common]
+          vals = [agg.get((t, length, m, None if _budgetless(m) else b)) for t in common]
           vals = [v[0] for v in vals if v is not None]
           cells.append(f"{np.mean(vals):.1f}" if len(vals) == len(common) else "")
         lines.append(f"| {length} | {m} | " + " | ".join(cells) + " |")
@@ -148,7 +151,7 @@ def markdown(results: dict) -> str:
     lines.append("|---|---|" + "---|" * (len(cols) + 1))
     for length in lengths:
       for m in methods:
-        key0 = (task, length, m, None if m == "full" else cols[0])
+        key0 = (task, length, m, None if _budgetless(m) else cols[0])
         if key0 not in agg:
           continue
         n = agg[key0][1]
@@ -170,7 +173,7 @@ def markdown(results: dict) -> str:
                                            for d in diag):
       cells = []
       for b in bud:
-        d = idx.get((task, length, m, None if m == "full" else b))
+        d = idx.get((task, length, m, None if _budgetless(m) else b))
         cells.append("" if d is None else f"{d['read_recall']:.3f} / {d['kept_recall']:.3f}")
       lines.append(f"| {task} | {length} | {m} | " + " | ".join(cells) + " |")
     lines.append("")
@@ -196,10 +199,10 @@ def plot_accuracy(results: dict, path: str) -> None:
     for j, length in enumerate(lengths):
       ax = axes[i][j]
       for m in methods:
-        if m == "full":
+        if _budgetless(m):
           v = agg.get((task, length, m, None))
           if v is not None:
-            ax.axhline(v[0], color="k", ls="--", lw=1, label="full")
+            ax.axhline(v[0], color="k", ls="--", lw=1, label=m)
           continue
         xs = [b for b in budgets if (task, length, m, b) in agg]
         if xs:
@@ -239,8 +242,8 @@ def plot_niah_heatmap(results: dict, path: str, task: str = "passkey") -> bool:
     return False
   _, lengths, methods, budgets = _axes(recs)
   depths = sorted({r["depth"] for r in recs})
-  cols = [(m, None) for m in methods if m == "full"] + [
-      (m, b) for m in methods if m != "full" for b in budgets]
+  cols = [(m, None) for m in methods if _budgetless(m)] + [
+      (m, b) for m in methods if not _budgetless(m) for b in budgets]
   acc = collections.defaultdict(list)
   for r in recs:
     acc[(r["method"], r["budget"], r["depth"], r["context_len"])].append(r["score"])

@@ -10,18 +10,18 @@ token and the post-RoPE queries of the last W valid tokens. Because stage-1 evic
 RocketKV), StreamingLLM's sink + window and the dense caches of Quest / SparQ / exact top-k /
 full KV are all functions of exactly these tensors, every (method, budget) then builds its
 cache with `rocketkv.prefill(k, v, q_window, plan, lengths=...)` per layer inside one jitted
-program that also runs the greedy decode loop (`lax.while_loop` over
-`models.llama.decode_step`). A sweep therefore costs one prefill per prompt batch; each
+program that also runs the greedy decode loop (`decode_loop.sample_loop`, the loop
+`rocketkv.generate` uses, over `models.llama.decode_step`). A sweep therefore costs one prefill per prompt batch; each
 (method, budget, padded length, batch size) compiles once.
 
 The first generated token is the argmax of the prompt pass's last-token logits, which are the
 same for every method (every method attends densely while reading the prompt), exactly as in
 `rocketkv.generate`; later tokens are fed back with `positions = seen + step - 1`.
 
-Multi-turn (`turn_prefill`): a later turn's prompt tokens are run densely (full attention over
-the valid slots of the given per-layer KV caches, causal inside the turn), which returns that
-turn's keys / values / last-W queries; the caller appends them (`rocketkv.extend`) or re-runs
-stage 1 (`rocketkv.begin_turn`, RocketKV-MT).
+Multi-turn (`turn_prefill`, `models.llama.turn_prefill`): a later turn's prompt tokens are run
+densely (full attention over the valid slots of the given per-layer KV caches, causal inside the
+turn), which returns that turn's keys / values / last-W queries; the caller appends them
+(`rocketkv.extend`) or re-runs stage 1 (`rocketkv.begin_turn`, RocketKV-MT).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from jax import lax
 import numpy as np
 
 import rocketkv_jax as rocketkv
+from rocketkv_jax import decode_loop, sampling
 from rocketkv_jax.eval import variants
 from rocketkv_jax.models import llama
 
@@ -53,9 +54,6 @@ def _trim_host_memory() -> None:
 
 
 # --------------------------------------------------------------------------- layer layout
-_stacked_layers = llama.stack_layers  # list of per-layer dicts or already stacked
-
-
 def _cache_layout(params, states: list):
   """Per-layer states in the layout `llama.decode_step` expects (a tuple, or stacked)."""
   if isinstance(params["layers"], (list, tuple)):
@@ -103,80 +101,34 @@ def _prompt_pass(params, tokens, lengths, *, config, window, block_size):
   return jnp.argmax(logits, axis=-1).astype(jnp.int32), ks, vs, qws
 
 
-def _scanned_decode_step(params, stacked, cache, tokens, positions, *, config, plan):
-  """`llama.decode_step` with a `lax.scan` over stacked layers and a stacked cache. Kept as an
-  option only: on SmolLM2 / CPU it measured both slower steps (4.5 s vs 1.8 s for 24 tokens)
-  and a slower compile (39 s vs 20 s) than the unrolled step, with identical tokens."""
-  x = params["embed"][tokens][:, None, :]
-  pos = positions[:, None]
-
-  def layer(x, xs):
-    lp, state = xs
-    q, k, v = llama._qkv(lp, config, x, pos)
-    out, state = rocketkv.decode_step(q[:, :, 0], k, v, state, plan,
-                                      sliding_window=config.sliding_window)
-    x = llama._mlp_residual(lp, config, llama._attn_residual(lp, x, out[:, :, None, :]))
-    return x, state
-
-  x, cache = lax.scan(layer, x, (stacked, cache))
-  return llama.unembed(params, config, x[:, 0]), cache
+def _greedy_loop(params, cache, first, seen, eos, *, config, plan, max_new_tokens):
+  """Greedy decode: `first` [B] was sampled already and sits at position `seen`."""
+  step_fn = lambda c, t, p: llama.decode_step(params, c, t, p, config=config, plan=plan)
+  s = decode_loop.sample_loop(step_fn, cache, first, seen, eos, jax.random.PRNGKey(0),
+                              sampling.Greedy(), max_new_tokens=max_new_tokens)
+  return s.tokens, s.step, s.cache
 
 
-def _greedy_loop(params, cache, first, seen, eos, *, config, plan, max_new_tokens,
-                 scan_layers=False):
-  """Greedy decode: `first` [B] was sampled already and sits at position `seen`.
-
-  With `scan_layers` the cache is stacked over layers and the step scans them."""
-  b = first.shape[0]
-  if scan_layers:
-    stacked = _stacked_layers(params)
-    step_fn = lambda c, t, p: _scanned_decode_step(params, stacked, c, t, p, config=config,
-                                                   plan=plan)
-  else:
-    step_fn = lambda c, t, p: llama.decode_step(params, c, t, p, config=config, plan=plan)
-  out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
-  is_eos = lambda t: jnp.any(t[:, None] == eos[None, :], axis=-1)
-  done = is_eos(first)
-
-  def cond(carry):
-    step, _, _, done, _ = carry
-    return (step < max_new_tokens) & ~jnp.all(done)
-
-  def body(carry):
-    step, tok, out, done, cache = carry
-    logits, cache = step_fn(cache, tok, seen + step - 1)
-    nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    nxt = jnp.where(done, tok, nxt)
-    out = out.at[:, step].set(nxt)
-    return step + 1, nxt, out, done | is_eos(nxt), cache
-
-  steps, _, out, _, cache = lax.while_loop(cond, body, (jnp.int32(1), first, out, done, cache))
-  return out, steps, cache
-
-
-def _build_states(k, v, qw, lengths, plan, stacked: bool = False):
+def _build_states(k, v, qw, lengths, plan):
   """Per-layer method states from the stored prompt K/V (scanned over layers)."""
   def one(_, xs):
     kk, vv, qq = xs
     return None, rocketkv.prefill(kk, vv, qq, plan, lengths=lengths)
 
   _, states = lax.scan(one, None, (k, v, qw))
-  return states if stacked else _unstack(states, k.shape[0])
+  return _unstack(states, k.shape[0])
 
 
 def _method_decode_impl(params, k, v, qw, lengths, first, eos, *, config, plan, max_new_tokens,
-                        keep_cache, scan_layers=False):
-  states = _build_states(k, v, qw, lengths, plan, stacked=scan_layers)
-  cache = states if scan_layers else _cache_layout(params, states)
+                        keep_cache):
+  cache = _cache_layout(params, _build_states(k, v, qw, lengths, plan))
   out, steps, cache = _greedy_loop(params, cache, first, lengths, eos, config=config, plan=plan,
-                                   max_new_tokens=max_new_tokens, scan_layers=scan_layers)
-  if scan_layers and keep_cache:
-    cache = _cache_layout(params, _unstack(cache, k.shape[0]))
+                                   max_new_tokens=max_new_tokens)
   return out, steps, (cache if keep_cache else None)
 
 
 _method_decode = jax.jit(_method_decode_impl, static_argnames=(
-    "config", "plan", "max_new_tokens", "keep_cache", "scan_layers"))
+    "config", "plan", "max_new_tokens", "keep_cache"))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "plan", "max_new_tokens"))
@@ -186,57 +138,7 @@ def _continue_decode(params, cache, first, seen, eos, *, config, plan, max_new_t
   return out, steps, cache
 
 
-def _dense_attend(q, ck, cv, cvalid, tk, tv, tvalid):
-  """Turn queries over cache slots (all visible where valid) + causal turn keys.
-
-  q `[B, Hq, T, D]`, ck/cv `[B, Hkv, C, D]`, cvalid `[B, Hkv, C]`, tk/tv `[B, Hkv, T, D]`,
-  tvalid `[B, T]` -> `[B, Hq, T, D]` (fp32 softmax).
-  """
-  b, hq, t, d = q.shape
-  hkv = ck.shape[1]
-  g = hq // hkv
-  qg = q.reshape(b, hkv, g, t, d).astype(jnp.float32)
-  scale = 1.0 / np.sqrt(d)
-  s_c = jnp.einsum("bhgtd,bhcd->bhgtc", qg, ck.astype(jnp.float32)) * scale
-  s_c = jnp.where(cvalid[:, :, None, None, :], s_c, -1e30)
-  s_t = jnp.einsum("bhgtd,bhsd->bhgts", qg, tk.astype(jnp.float32)) * scale
-  causal = jnp.tril(jnp.ones((t, t), bool))
-  s_t = jnp.where(causal[None, None, None] & tvalid[:, None, None, None, :], s_t, -1e30)
-  s = jnp.concatenate([s_c, s_t], axis=-1)
-  p = jax.nn.softmax(s, axis=-1)
-  vals = jnp.concatenate([cv, tv], axis=2).astype(jnp.float32)
-  o = jnp.einsum("bhgts,bhsd->bhgtd", p, vals)
-  return o.reshape(b, hq, t, d).astype(q.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "window"))
-def _turn_prefill(params, caches, tokens, turn_lengths, *, config, window):
-  """Dense pass of a turn's tokens `[B, T]` over per-layer KVCaches (list, one per layer).
-
-  Returns (first greedy token [B], k_turn, v_turn [N, B, Hkv, T, D], q_window [N, B, Hq, W, D]).
-  """
-  b, t = tokens.shape
-  seen = caches[0].seen
-  positions = seen[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  widx = llama.window_indices(turn_lengths, t, window)
-  tvalid = jnp.arange(t)[None, :] < turn_lengths[:, None]
-  x = params["embed"][tokens]
-  layers = params["layers"]
-  layers = _unstack(layers, len(caches)) if not isinstance(layers, (list, tuple)) else layers
-  ks, vs, qws = [], [], []
-  for lp, cache in zip(layers, caches):
-    q, k, v = llama._qkv(lp, config, x, positions)
-    cvalid = jnp.broadcast_to((jnp.arange(cache.capacity) < cache.length[:, None])[:, None, :],
-                              cache.pos.shape)
-    a = _dense_attend(q, cache.k, cache.v, cvalid, k.astype(cache.k.dtype),
-                      v.astype(cache.v.dtype), tvalid)
-    x = llama._mlp_residual(lp, config, llama._attn_residual(lp, x, a))
-    ks.append(k)
-    vs.append(v)
-    qws.append(jnp.take_along_axis(q, widx[:, None, :, None], axis=2))
-  last = jnp.take_along_axis(x, (turn_lengths - 1)[:, None, None], axis=1)[:, 0]
-  first = jnp.argmax(llama.unembed(params, config, last), axis=-1).astype(jnp.int32)
-  return first, jnp.stack(ks), jnp.stack(vs), jnp.stack(qws)
+_turn_prefill = jax.jit(llama.turn_prefill, static_argnames=("config", "window"))
 
 
 # --------------------------------------------------------------------------- user API
@@ -252,28 +154,21 @@ class Runner:
     window_size: stage-1 observation window W (RocketConfig default 32).
     block_size: prefill attention tile.
     quest_page_size: Quest's page size (`RocketConfig.page_size`).
-    eos_token_ids: stop ids (default: the tokenizer's, else the config's).
-    scan_layers: decode with a `lax.scan` over layers instead of `models.llama.decode_step`'s
-      unrolled layers (slower on CPU, see `_scanned_decode_step`). Multi-turn continuation
-      always uses the unrolled step.
+    eos_token_ids: stop ids (None: the model's; `decode_loop`'s EOS rule).
   """
 
   def __init__(self, model, *, window_size: int = 32, block_size: int = 512,
-               eos_token_ids=None, scan_layers: bool = False, quest_page_size: int = 16):
+               eos_token_ids=None, quest_page_size: int = 16):
     self.model = model
     self.quest_page_size = int(quest_page_size)
-    self.scan_layers = bool(scan_layers)
     self._futures = _FUTURES  # shared: executables take params as an argument
     self.config = model.config
     self.window_size = window_size
     self.block_size = block_size
     if eos_token_ids is None:
-      eos_token_ids = tuple(self.config.eos_token_ids or ())
-      if model.tokenizer is not None and model.tokenizer.eos_token_ids:
-        eos_token_ids = tuple(model.tokenizer.eos_token_ids)
+      eos_token_ids = decode_loop.default_eos_ids(model)
     self.eos_token_ids = tuple(int(e) for e in eos_token_ids)
-    eos = list(self.eos_token_ids) or [-1]
-    self._eos = jnp.asarray(np.array(eos, np.int32))
+    self._eos = decode_loop.eos_array(self.eos_token_ids)
 
   # ---------------------------------------------------------------- helpers
   def rocket_config(self, method: str, token_budget: int) -> "rocketkv.RocketConfig":
@@ -287,16 +182,7 @@ class Runner:
 
   def strip(self, out: np.ndarray, steps: int) -> list[list[int]]:
     """Rows of generated ids cut at the first EOS (EOS dropped), as `rocketkv.generate`."""
-    eos = set(self.eos_token_ids)
-    res = []
-    for row in np.asarray(out)[:, :steps].tolist():
-      toks = []
-      for t in row:
-        if t in eos:
-          break
-        toks.append(t)
-      res.append(toks)
-    return res
+    return decode_loop.strip_eos(out, steps, self.eos_token_ids)
 
   # ---------------------------------------------------------------- programs
   def prompt_pass(self, tokens: np.ndarray, lengths: np.ndarray) -> PromptPass:
@@ -332,7 +218,7 @@ class Runner:
     else:
       out, steps, cache = _method_decode(
           *args, config=self.config, plan=plan, max_new_tokens=max_new_tokens,
-          keep_cache=keep_cache, scan_layers=self.scan_layers)
+          keep_cache=keep_cache)
     out = np.asarray(out)
     steps = int(steps)
     return self.strip(out, steps), out, steps, cache
@@ -341,7 +227,7 @@ class Runner:
   def _key(self, plan, k_shape, qw_shape, max_new_tokens, keep_cache):
     dt = str(self.model.params["embed"].dtype)
     return (self.config, dt, plan, tuple(k_shape), tuple(qw_shape), int(max_new_tokens),
-            bool(keep_cache), self.scan_layers)
+            bool(keep_cache))
 
   def precompile(self, configs, batch: int, padded_len: int, max_new_tokens: int,
                  workers: int = 2) -> None:
@@ -365,8 +251,7 @@ class Runner:
       key = self._key(plan, k.shape, qw.shape, max_new_tokens, False)
       if key in self._futures:
         continue
-      static = dict(config=c, plan=plan, max_new_tokens=int(max_new_tokens), keep_cache=False,
-                    scan_layers=self.scan_layers)
+      static = dict(config=c, plan=plan, max_new_tokens=int(max_new_tokens), keep_cache=False)
       fn = jax.jit(functools.partial(_method_decode_impl, **static))
       args = (self.model.params, k, k, qw, vec, vec, self._eos)
       self._futures[key] = _POOL[0].submit(lambda fn=fn, args=args: fn.lower(*args).compile())

@@ -19,28 +19,20 @@ Tasks (name -> what is asked, how it is scored):
 
 Filler: sentences produced by a small seeded grammar (subjects x verbs x objects x places), so
 the haystack is varied prose and needs no downloaded corpus. passkey uses its classic filler
-instead, one line repeated ("The grass is green. The sky is blue. ..."): in the varied prose
-SmolLM2-135M with full KV answered 0 of 10 passkey prompts at 2K (it names a filler subject), in
-the classic filler 8 of 10.
+instead, one line repeated ("The grass is green. The sky is blue. ...").
 
 Answer prefix: passkey, niah_multivalue, niah_multiquery, vt and cwe end the user message with
 the question and start the assistant turn with RULER's answer prefix ("... the pass key
 mentioned in the provided text is"), which the model continues (`Sample.answer_prefix`,
 `prompt_ids`). niah_single and niah_multikey keep the prefix at the end of the user message, as
-in the published sweeps that were run with them (results/README.md); their answer is one
-number, which the model gives either way. With the prefix in the user message, SmolLM2-135M
-with full KV restates the question before answering: niah_multiquery spent its 48 tokens
-repeating the four keys (full KV 20 at 2K, 10 prompts; 68 with the prefix form and 96 tokens),
-and niah_multivalue stopped after three of four numbers at 48 tokens (full KV 60 at 2K, 20
-prompts; 72.5 in the prefix form with 64 tokens; on 10 of those prompts listing the four
-numbers took at most 45 tokens).
+in the published sweeps that were run with them; their answer is one number, which the model
+gives either way.
 
 Multi-turn: three needles, one in each third of the haystack in a random order, and one
-question per turn in the niah_single form (prefix at the end of the user message). SmolLM2-135M
-with full KV at 2K: with "Answer with the number only." instead, 0 of 6 turns (2 prompts,
-results/runs/multiturn2048_new40 in git history, commit 704619d); in this form but with the
-needles sorted by depth in the order asked, 2 of 12 (4 prompts; it mostly gave the next
-needle's number); as built now, 8 of 18 (6 prompts), 29 of 60 in results/README.md's run.
+question per turn in the niah_single form (prefix at the end of the user message).
+
+Why each form was chosen (the SmolLM2-135M full-KV measurements behind them): results/README.md,
+"Task design notes".
 
 Tokenizer interface used here (satisfied by `rocketkv.models.Tokenizer`):
 `encode(text, add_special_tokens=False) -> list[int]` and

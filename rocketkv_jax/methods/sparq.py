@@ -1,0 +1,35 @@
+"""SparQ: no eviction; r = D*B/T query dims score every token approximately, the top B/2 are
+read exactly. The same approximate score as RocketKV's stage 2 with one token per chunk."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rocketkv_jax.methods.base import Method, full_split, require_half_budget
+from rocketkv_jax.select import approx_scores, check_chunks, top_chunk_slots
+
+
+@dataclasses.dataclass(frozen=True)
+class SparQ(Method):
+  name = "sparq"
+  summary = "no eviction; r = D*B/T dims score every token, attend to the top B/2"
+  dense = False
+
+  def check_config(self, config):
+    require_half_budget(config)
+
+  def split(self, config, prompt_len, max_new_tokens, head_dim):
+    b, t = config.token_budget, prompt_len + max_new_tokens
+    r = config.r or min(max(round(head_dim * b / t), 1), head_dim)
+    return dict(full_split(prompt_len, max_new_tokens, head_dim),
+                top_k=config.top_k or max(b // 2, 1), chunk_size=1, r=r)
+
+  def select(self, q, cache, plan, *, sliding_window=None, impl="auto"):
+    return approx_select(q, cache, plan, sliding_window=sliding_window, impl=impl)
+
+
+def approx_select(q, cache, plan, *, sliding_window=None, impl="auto"):
+  """The `plan.top_k` best slots by RocketKV / SparQ's approximate chunk scores."""
+  check_chunks(cache, plan.chunk_size)
+  chunk = approx_scores(q, cache, plan.r, impl=impl)
+  return top_chunk_slots(chunk, cache, min(plan.top_k, cache.capacity), sliding_window)

@@ -1,0 +1,78 @@
+"""Small array rules shared by the core, the methods and the kernels, each written once.
+
+- `group_queries`: GQA regrouping of query heads under their KV head.
+- `masked_softmax`: softmax over the last axis where a mask holds, 0 elsewhere.
+- `gather_rows`: the rows of `[B, H, L, D]` named by per-head indices (stage 1's kept tokens,
+  stage 2's selected slots).
+- `sink_recent_indices`: StreamingLLM's sink + most recent positions.
+- `top_r_dims`, `approx_scale`: RocketKV / SparQ's choice of the r query dims, the bound each
+  reads (kmax where the group-summed q is positive, else kmin), and the softmax temperature
+  correction 1 / sqrt(D * sum|q_r| / sum|q|).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
+  """`[B, Hq, ...]` -> `[B, Hkv, G, ...]`, G = Hq // Hkv: query head h serves KV head h // G."""
+  b, hq = q.shape[:2]
+  return q.reshape(b, num_kv_heads, hq // num_kv_heads, *q.shape[2:])
+
+
+def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
+  """Softmax over the last axis of the entries where `mask` (broadcastable) holds; rows with no
+  such entry are all zeros (never NaN)."""
+  logits = jnp.where(mask, logits, -jnp.inf)
+  mx = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
+  return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+
+
+def gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """x `[B, H, L, D]`, idx `[B, H, K]` (in [0, L)) -> `[B, H, K, D]`, row idx[b, h, j] of head h."""
+  return jnp.take_along_axis(x, idx[..., None], axis=2)
+
+
+def sink_recent_indices(n: jax.Array, k: int, sink: int) -> jax.Array:
+  """StreamingLLM's positions: the first min(sink, k) and the last k - sink of n tokens.
+
+  Args:
+    n: [B] tokens held.
+    k: positions to return (static).
+    sink: attention-sink tokens (static).
+  Returns:
+    [B, k] int32; all of [0, k) while n <= k.
+  """
+  s = min(sink, k)
+  j = jnp.arange(k)
+  n = n[:, None]
+  return jnp.where((j < s) | (n <= k), j, n - (k - s) + (j - s))
+
+
+def top_r_dims(qg: jax.Array, r: int) -> tuple[jax.Array, jax.Array]:
+  """RocketKV / SparQ's approximate-score dims.
+
+  Args:
+    qg: [B, Hkv, G, D] float32 queries grouped by KV head.
+    r: dims to keep (static).
+  Returns:
+    (ridx [B, Hkv, r] the r dims with the largest |q| summed over the group,
+     positive [B, Hkv, D] whether the group-summed q_d > 0: dim d then reads the chunk's kmax,
+     else its kmin).
+  """
+  _, ridx = lax.top_k(jnp.sum(jnp.abs(qg), axis=2), r)
+  return ridx, jnp.sum(qg, axis=2) > 0
+
+
+def approx_scale(q_r: jax.Array, qg: jax.Array) -> jax.Array:
+  """1 / sqrt(D * sum|q_r| / sum|q|) per query head (SparQ's temperature correction).
+
+  q_r: [B, Hkv, G, r] the kept dims (or [B, Hkv, G, D] with the others zeroed); qg:
+  [B, Hkv, G, D] the whole query. Returns [B, Hkv, G] float32.
+  """
+  frac = jnp.sum(jnp.abs(q_r), axis=-1) / jnp.maximum(jnp.sum(jnp.abs(qg), axis=-1), 1e-30)
+  return lax.rsqrt(jnp.float32(qg.shape[-1]) * jnp.where(frac > 0, frac, 1.0))

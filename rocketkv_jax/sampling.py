@@ -1,0 +1,51 @@
+"""Sampling strategies: small frozen pytrees mapping logits `[B, V]` to token ids `[B]`.
+
+The class is static (part of a compiled program's signature), the numbers are traced: a new
+temperature or top-p reuses the compiled program.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class Greedy:
+  """argmax; the key is ignored."""
+
+  def __call__(self, logits: jax.Array, key: jax.Array) -> jax.Array:
+    del key
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+@struct.dataclass
+class TopP:
+  """softmax(logits / temperature) restricted to the smallest nucleus of mass >= top_p.
+
+  Attributes:
+    temperature: [] float32, > 0.
+    top_p: [] float32 in (0, 1].
+  """
+
+  temperature: jax.Array
+  top_p: jax.Array
+
+  def __call__(self, logits: jax.Array, key: jax.Array) -> jax.Array:
+    logits = logits / jnp.maximum(self.temperature, 1e-6)
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    cum = jnp.cumsum(probs, axis=-1)
+    # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+    keep = (cum - probs) < self.top_p
+    cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def sampler(temperature: float, top_p: float) -> Greedy | TopP:
+  """`Greedy()` for temperature 0, else `TopP`."""
+  if temperature == 0.0:
+    return Greedy()
+  return TopP(temperature=jnp.float32(temperature), top_p=jnp.float32(top_p))

@@ -1,0 +1,142 @@
+"""The contract every registered KV method meets (a new method is tested by registering it).
+
+Per method, on random K/V with GQA and a ragged batch: each row of a batch decodes exactly as
+that row alone; a jitted decode step traces once over many steps; the cache holds at most the
+planned prompt tokens and never overflows; a selecting method reads at most `top_k <= B` valid
+slots per head, with no slot twice; a method's dense layers attend densely (float64
+reference); bad configs are rejected before tracing.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rocketkv_jax as rocketkv
+from rocketkv_jax import methods
+
+NAMES = sorted(methods.REGISTRY)
+B, HKV, G, D, L, NEW, BUDGET = 2, 2, 2, 16, 48, 6, 16
+LENGTHS = np.array([48, 29], np.int32)
+
+
+def _config(name):
+  return rocketkv.RocketConfig(token_budget=BUDGET, method=name, window_size=4, page_size=4,
+                               sink_size=2)
+
+
+def _data(seed=0):
+  rng = np.random.default_rng(seed)
+  k = rng.standard_normal((B, HKV, L, D)).astype(np.float32)
+  v = rng.standard_normal((B, HKV, L, D)).astype(np.float32)
+  for i, n in enumerate(LENGTHS):
+    k[i, :, n:] = 0.0
+    v[i, :, n:] = 0.0
+  qw = np.stack([rng.standard_normal((HKV * G, 4, D)) for _ in range(B)]).astype(np.float32)
+  steps = [tuple(rng.standard_normal(s).astype(np.float32)
+                 for s in ((B, HKV * G, D), (B, HKV, 1, D), (B, HKV, 1, D)))
+           for _ in range(NEW)]
+  return k, v, qw, steps
+
+
+def _decode(name, rows, traces=None):
+  """Prefill rows `rows` of the shared data, then NEW jitted steps; (outputs, states)."""
+  k, v, qw, steps = _data()
+  plan = rocketkv.plan(_config(name), L, NEW, D)
+  state = rocketkv.prefill(jnp.asarray(k[rows]), jnp.asarray(v[rows]), jnp.asarray(qw[rows]),
+                           plan, lengths=jnp.asarray(LENGTHS[rows]))
+  first = state
+
+  def step(q, kn, vn, state):
+    if traces is not None:
+      traces.append(1)
+    return rocketkv.decode_step(q, kn, vn, state, plan)
+
+  step = jax.jit(step)
+  outs = []
+  for q, kn, vn in steps:
+    out, state = step(jnp.asarray(q[rows]), jnp.asarray(kn[rows]), jnp.asarray(vn[rows]), state)
+    outs.append(np.asarray(out))
+  return np.stack(outs, 1), first, state, plan
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ragged_batch_equals_each_row_alone_and_compiles_once(name):
+  traces = []
+  both, first, last, plan = _decode(name, [0, 1], traces)
+  assert len(traces) == 1  # NEW steps, one trace
+  assert np.all(np.isfinite(both))
+  for i in range(B):
+    alone, _, _, _ = _decode(name, [i])
+    np.testing.assert_allclose(both[i], alone[0], rtol=1e-5, atol=1e-6)
+  method = methods.get(name)
+  view0, view = method.view(first), method.view(last)
+  kept = np.asarray(view0.length)
+  np.testing.assert_array_equal(kept, np.minimum(LENGTHS, plan.prompt_budget))
+  np.testing.assert_array_equal(np.asarray(view.length), kept + NEW)
+  assert not np.asarray(rocketkv.cache_overflow(last)).any()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_selection_respects_the_budget(name):
+  _, _, state, plan = _decode(name, [0, 1])
+  method = methods.get(name)
+  cache = method.view(state)
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.standard_normal((B, HKV * G, D)).astype(np.float32))
+  idx = np.asarray(rocketkv.select(q, cache, plan))
+  length = np.asarray(cache.length)
+  valid = idx < length[:, None, None]
+  if method.dense:
+    assert plan.top_k == 0 and idx.shape[2] == cache.capacity
+  else:
+    assert 1 <= plan.top_k <= BUDGET and idx.shape[2] == min(plan.top_k, cache.capacity)
+    for b in range(B):
+      for h in range(HKV):
+        sel = idx[b, h][valid[b, h]]
+        assert len(set(sel.tolist())) == len(sel) == min(plan.top_k, length[b])
+  read = method.tokens_read(plan, int(length.max()) - NEW, NEW)
+  assert read == (min(plan.top_k, int(length.max())) if plan.top_k else int(length.max()))
+  if method.uses_budget and not method.dense:
+    assert read <= BUDGET
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dense_layers_attend_to_every_slot(name):
+  method = methods.get(name)
+  k, v, qw, steps = _data()
+  plan = rocketkv.plan(_config(name), L, NEW, D)
+  state = rocketkv.prefill(jnp.asarray(k), jnp.asarray(v), jnp.asarray(qw), plan,
+                           lengths=jnp.asarray(LENGTHS))
+  q, kn, vn = (jnp.asarray(x) for x in steps[0])
+  for layer in method.dense_layers(plan):
+    out, new = rocketkv.decode_step(q, kn, vn, state, plan, layer=layer)
+    cache = method.view(new)
+    ck, cv = np.asarray(cache.k, np.float64), np.asarray(cache.v, np.float64)
+    n = np.asarray(cache.length)
+    qg = np.asarray(q, np.float64).reshape(B, HKV, G, D)
+    for b in range(B):
+      s = np.einsum("hgd,hcd->hgc", qg[b], ck[b, :, :n[b]]) / np.sqrt(D)
+      p = np.exp(s - s.max(-1, keepdims=True))
+      ref = np.einsum("hgc,hcd->hgd", p / p.sum(-1, keepdims=True), cv[b, :, :n[b]])
+      np.testing.assert_allclose(np.asarray(out[b]), ref.reshape(HKV * G, D), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_config_is_rejected(name):
+  with pytest.raises(ValueError, match="token_budget"):
+    rocketkv.RocketConfig(token_budget=0, method=name)
+  with pytest.raises(ValueError, match="capacity must be >="):
+    rocketkv.plan(rocketkv.RocketConfig(token_budget=BUDGET, method=name, capacity=2,
+                                        window_size=4), L, NEW, D)
+
+
+def test_unknown_method_and_registry():
+  with pytest.raises(ValueError, match="method must be one of"):
+    rocketkv.RocketConfig(token_budget=64, method="h2o")
+  assert set(rocketkv.METHODS) == set(NAMES)
+  assert all(isinstance(m, methods.Method) and m.name == n for n, m in methods.REGISTRY.items())
+  with pytest.raises(ValueError, match="new name"):
+    methods.register(methods.get("full"))
+  p = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, method="rocketkv_mt"), 1000, 4, 64)
+  assert p.method == "rocketkv_mt" and p.full_capacity == 1004  # Plan.method stays a string
