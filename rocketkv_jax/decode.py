@@ -37,7 +37,8 @@ def prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
     lengths: [B] valid prompt lengths (None: all L).
     impl: "auto" | "xla" | "pallas" for the stage-1 scoring.
   Returns:
-    The method's state: a `KVCache` (an `MTState` for "rocketkv_mt"; any pytree in general).
+    The method's state: a `KVCache` (an `MTState` for "rocketkv_mt", a `LowRankState` for
+    stage2="lowrank"; any pytree in general).
   """
   _check_plan(plan)
   check_prefill_inputs(k, v, q_window, plan, lengths)
