@@ -13,6 +13,14 @@ bit (uint16) storage; see `dense_step`).
 
     python benchmarks/decode_attention.py                      # the README table
     python benchmarks/decode_attention.py --contexts 32768 --budgets 256 --dtypes bfloat16
+
+With `--stage2 minmax rerank lowrank` it also times RocketKV's stage-2 variants side by side
+(`RocketConfig.stage2`; minmax, rerank and lowrank steps interleaved round by round, so that
+load on the machine hits them alike) and prints each one's step time and bytes read per step
+as a ratio to minmax (issue #13's targets: <= 1.3x the time, <= 1.2x the bytes):
+
+    python benchmarks/decode_attention.py --contexts 32768 --budgets 256 --dtypes bfloat16 \
+        --stage2 minmax rerank lowrank
 """
 
 from __future__ import annotations
@@ -141,8 +149,93 @@ def bench_rocketkv(context, budget, dtype, repeats):
   item = jnp.dtype(dtype).itemsize
   # Bytes the step must read: per KV head, one bound (kmax where the group-summed q_d > 0, else
   # kmin) on each of the r dims for every chunk, + top_k K and V rows.
-  nbytes = (HKV * plan.num_chunks * plan.r + 2 * HKV * plan.top_k * D) * item
+  nbytes = stage2_read_bytes(plan, item)
   return t, nbytes, _read_pass_time(nbytes, dtype, repeats), plan
+
+
+def stage2_read_bytes(plan, itemsize: int, num_kv_heads: int = HKV) -> int:
+  """Bytes one decode step of `plan` must read (all layers alike: one layer's, per batch row).
+
+  Per KV head:
+    minmax:  NC * r bounds (one of kmin / kmax per dim) + top_k K and V rows;
+    rerank:  NC * r bounds + M K rows (the M = min(ceil(factor * top_k), C) candidates, read
+             whole: their r dims score them and the top_k of them are attended from these rows)
+             + top_k V rows;
+    lowrank: NP * (R + 1) * D basis values (mean + R directions per page) + NP * P * R
+             coefficients + W * D keys of the exactly scored decode window (W = max_new_tokens,
+             read whole: the XLA step has a static shape) + top_k K and V rows.
+  """
+  d, c = plan.head_dim, plan.capacity
+  rows = 2 * min(plan.top_k, c) * d
+  if plan.stage2 == "lowrank":
+    w = min(plan.max_new_tokens, c)
+    p, r = plan.lowrank_page_size, plan.lowrank_rank
+    npg = max(1, -(-(c - w) // p))
+    n = npg * (r + 1) * d + npg * p * r + w * d + rows
+  elif plan.stage2 == "rerank":
+    n = plan.num_chunks * plan.r + (min(plan.rerank_candidates, c) + min(plan.top_k, c)) * d
+  else:
+    n = plan.num_chunks * plan.r + rows
+  return n * num_kv_heads * itemsize
+
+
+def bench_stage2(context, budget, dtype, variants, rounds, steps, impl):
+  """Median wall and process-CPU seconds per step of each stage-2 variant's `decode_step`,
+  interleaved in `rounds` rounds of `steps` steps (rounds * steps + 1 <= 100, the plan's free
+  slots). CPU time is the steadier number on a machine shared with other jobs. Returns
+  {variant: (wall s, cpu s, bytes, plan)}."""
+  from rocketkv_jax.stage2_lowrank import attach
+
+  q, kn, vn = _inputs(dtype)
+  k1, k2 = jax.random.split(jax.random.PRNGKey(2))
+  runs = {}
+  for s2 in variants:
+    plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=budget, stage2=s2), context - 100,
+                         100, D)
+    kc = jax.random.normal(k1, (1, HKV, plan.prompt_budget, D), dtype)
+    vc = jax.random.normal(k2, (1, HKV, plan.prompt_budget, D), dtype)
+    state = attach(rocketkv.full_cache(kc, vc, plan.capacity, plan.chunk_size), plan)
+    step = jax.jit(lambda q, kn, vn, c, plan=plan: rocketkv.decode_step(q, kn, vn, c, plan,
+                                                                        impl=impl),
+                   donate_argnums=3)
+    out = step(q, kn, vn, state)  # compile + warm-up
+    jax.block_until_ready(out)
+    runs[s2] = [step, out[1], plan, []]
+  for _ in range(rounds):
+    for s2 in variants:
+      step, state, plan, times = runs[s2]
+      for _ in range(steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = step(q, kn, vn, state)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0, time.process_time() - c0))
+        state = out[1]
+      runs[s2][1] = state
+  item = jnp.dtype(dtype).itemsize
+  return {s2: (statistics.median(t for t, _ in times), statistics.median(c for _, c in times),
+                stage2_read_bytes(plan, item), plan)
+          for s2, (_, _, plan, times) in runs.items()}
+
+
+def main_stage2(args):
+  print(f"backend={jax.default_backend()} devices={jax.devices()} impl={args.impl}")
+  print("| dtype | context | budget | stage2 | C / chunk / r / top_k | extra | ms / step | "
+        "time / minmax | CPU ms / step | CPU time / minmax | KiB read | bytes / minmax |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  variants = ["minmax"] + [v for v in args.stage2 if v != "minmax"]
+  for dt in args.dtypes:
+    dtype = jnp.dtype(dt)
+    for ctx in args.contexts:
+      for b in args.budgets:
+        res = bench_stage2(ctx, b, dtype, variants, args.rounds, args.steps, args.impl)
+        t0, c0, b0, _ = res["minmax"]
+        for s2, (t, ct, nb, p) in res.items():
+          extra = {"minmax": "-", "rerank": f"M={min(p.rerank_candidates, p.capacity)}",
+                   "lowrank": f"P={p.lowrank_page_size} R={p.lowrank_rank}"}[s2]
+          print(f"| {dtype.name} | {ctx // 1024}K | {b} | {s2} | {p.capacity} / {p.chunk_size} / "
+                f"{p.r} / {p.top_k} | {extra} | {t * 1e3:.3f} | {t / t0:.2f}x | "
+                f"{ct * 1e3:.3f} | {ct / c0:.2f}x | {nb / 1024:.1f} | {nb / b0:.3f}x |",
+                flush=True)
 
 
 def main():
@@ -151,7 +244,18 @@ def main():
   ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
   ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
   ap.add_argument("--repeats", type=int, default=15)
+  ap.add_argument("--stage2", nargs="+", choices=list(rocketkv.STAGE2), default=None,
+                  help="time these stage-2 variants next to minmax instead of the dense table")
+  ap.add_argument("--rounds", type=int, default=6, help="--stage2: interleaved rounds")
+  ap.add_argument("--steps", type=int, default=14, help="--stage2: steps per round")
+  ap.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas"],
+                  help="--stage2: rocketkv.decode_step's impl")
   args = ap.parse_args()
+  if args.stage2:
+    if args.rounds * args.steps + 1 > 100:
+      ap.error("--rounds * --steps + 1 must be <= 100 (the plan's free slots)")
+    main_stage2(args)
+    return
   print(f"backend={jax.default_backend()} devices={jax.devices()}")
   print("| dtype | context | budget | C / chunk / r / top_k | full ms | rocketkv ms | speedup "
         "| full MiB | rkv MiB | full floor ms | rkv floor ms | rkv / floor |")

@@ -12,7 +12,7 @@ T = prompt_len + max_new_tokens,
     top_k = B // 2
     cr2 = max(1, capacity / B)
     chunk_size = min(floor(cr2), ceil(sqrt(cr2)))
-    r = round(D * chunk_size / cr2), clamped to [1, D]
+    r = int(D * chunk_size / cr2), clamped to [1, D]   (truncated, as the original code does)
 
 Decisions where the formula is silent (documented here and in the README):
 - capacity never exceeds T (no compression is ever an expansion).
@@ -48,6 +48,11 @@ class Plan:
       methods that read no summaries.
     r: head dims used by the approximate score.
     full_capacity: slots of the uncompressed cache kept by `rocketkv_mt` (0 otherwise).
+    stage2: RocketKV's stage-2 scorer, "minmax" | "rerank" | "lowrank" (methods/rocketkv.py;
+      always "minmax" for other methods).
+    rerank_candidates: slots the chunk bounds pick for "rerank" (ceil(factor * top_k); 0
+      otherwise); capped at the cache capacity when selecting.
+    lowrank_page_size, lowrank_rank: P and R for "lowrank" (0 otherwise).
   """
 
   method: str
@@ -64,6 +69,10 @@ class Plan:
   max_new_tokens: int
   token_budget: int
   full_capacity: int = 0
+  stage2: str = "minmax"
+  rerank_candidates: int = 0
+  lowrank_page_size: int = 0
+  lowrank_rank: int = 0
 
   @property
   def num_chunks(self) -> int:
@@ -97,6 +106,7 @@ def paper_split(config, prompt_len: int, max_new: int, head_dim: int) -> dict:
   top_k = config.top_k if config.top_k is not None else max(b // 2, 1)
   cr2 = max(1.0, capacity / b)
   chunk = config.chunk_size or max(1, min(math.floor(cr2), math.ceil(math.sqrt(cr2))))
-  r = config.r if config.r is not None else min(max(round(head_dim * chunk / cr2), 1), head_dim)
+  # Truncation, as the original RocketKV code derives r (`int(D * chunk / cr2)`).
+  r = config.r if config.r is not None else min(max(int(head_dim * chunk / cr2), 1), head_dim)
   return dict(capacity=capacity, prompt_budget=prompt_budget, top_k=top_k, chunk_size=chunk,
               r=r)

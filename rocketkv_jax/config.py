@@ -14,9 +14,9 @@ import dataclasses
 from rocketkv_jax import methods
 from rocketkv_jax._checks import require, require_int
 from rocketkv_jax.budget import Plan
-from rocketkv_jax.methods import METHODS
+from rocketkv_jax.methods import METHODS, STAGE2
 
-__all__ = ["METHODS", "Plan", "RocketConfig", "plan"]
+__all__ = ["METHODS", "Plan", "RocketConfig", "STAGE2", "plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,14 @@ class RocketConfig:
       A fixed `alpha` reproduces the paper's ablations.
     page_size: Quest page size (tokens per min/max summary).
     sink_size: StreamingLLM attention-sink tokens.
+    stage2: the stage-2 scorer, one of `STAGE2`, for the methods that have variants of it
+      (`Method.stage2_variants`: rocketkv, rocketkv_mt): "minmax" (the paper: chunk min/max
+      bounds), "rerank" (chunk bounds pick `rerank_factor * top_k` candidate slots, per-token
+      scores on the same r dims keep `top_k`; stage2_rerank.py), "lowrank" (page-local
+      rank-`lowrank_rank` key summaries over pages of `lowrank_page_size` slots, per-token
+      scores; stage2_lowrank.py).
+    rerank_factor: candidates per selected slot for "rerank" (>= 1).
+    lowrank_page_size, lowrank_rank: page size P and rank R for "lowrank" (R <= P, R <= D).
   """
 
   token_budget: int
@@ -46,6 +54,12 @@ class RocketConfig:
   r: int | None = None
   page_size: int = 16
   sink_size: int = 4
+  stage2: str = "minmax"
+  # Defaults keep the bytes read per step <= 1.2x minmax at 32K / B=256 / D=128 (counted in
+  # benchmarks/decode_attention.py): rerank 1.13x, lowrank 1.10x (README, "Stage-2 variants").
+  rerank_factor: float = 1.5
+  lowrank_page_size: int = 128
+  lowrank_rank: int = 8
 
   def __post_init__(self):
     method = methods.get(self.method)
@@ -53,6 +67,11 @@ class RocketConfig:
     require_int("window_size", self.window_size, 1)
     require_int("kernel_size", self.kernel_size, 1)
     require(self.kernel_size % 2 == 1, f"kernel_size must be odd, got {self.kernel_size}")
+    require(self.stage2 in STAGE2, f"stage2 must be one of {list(STAGE2)}, got {self.stage2!r}")
+    require(self.stage2 in method.stage2_variants,
+            f"stage2={self.stage2!r} needs method in "
+            f"{sorted(n for n, m in methods.REGISTRY.items() if self.stage2 in m.stage2_variants)}"
+            f", got {self.method!r}")
     method.check_config(self)
     require_int("page_size", self.page_size, 1)
     if self.alpha is not None:
@@ -68,7 +87,7 @@ def plan(config: RocketConfig, prompt_len: int, max_new_tokens: int, head_dim: i
   """Splits `config.token_budget` for a prompt of `prompt_len` tokens and `max_new_tokens` more.
 
   Example (the paper's setting): prompt 32668, 100 new, budget 256, D 128 ->
-  capacity 1618, prompt_budget 1518, top_k 128, chunk_size 3, r 61.
+  capacity 1618, prompt_budget 1518, top_k 128, chunk_size 3, r 60.
   """
   require(isinstance(config, RocketConfig), f"config must be a RocketConfig, got {type(config)}")
   require_int("prompt_len", prompt_len, 1)

@@ -37,7 +37,8 @@ def prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
     lengths: [B] valid prompt lengths (None: all L).
     impl: "auto" | "xla" | "pallas" for the stage-1 scoring.
   Returns:
-    The method's state: a `KVCache` (an `MTState` for "rocketkv_mt"; any pytree in general).
+    The method's state: a `KVCache` (an `MTState` for "rocketkv_mt", a `LowRankState` for
+    stage2="lowrank"; any pytree in general).
   """
   _check_plan(plan)
   check_prefill_inputs(k, v, q_window, plan, lengths)
@@ -73,13 +74,15 @@ def decode_step(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache, plan: P
                             sliding_window=sliding_window, impl=impl)
 
 
-def select(q: jax.Array, cache: KVCache, plan: Plan, *, sliding_window: int | None = None,
+def select(q: jax.Array, cache, plan: Plan, *, sliding_window: int | None = None,
            impl: str = "auto") -> jax.Array:
   """Stage 2: the slots each KV head attends to.
 
   Args:
     q: [B, Hq, D] decode query (post-RoPE).
-    cache: the cache (already holding the query's own token).
+    cache: the method's state, already holding the query's own token: a `KVCache` for most
+      methods (its `KVCache` view will do for those whose selection reads nothing else; a
+      stage2="lowrank" plan needs the `LowRankState`). The slots index `view(cache)`.
     plan: from `rocketkv.plan`; `plan.method` chooses the scoring.
     sliding_window: Mistral v0.1 window, or None.
     impl: "auto" | "xla" | "pallas" for the approximate scoring.
@@ -89,7 +92,8 @@ def select(q: jax.Array, cache: KVCache, plan: Plan, *, sliding_window: int | No
     picked, and the rest of the row points at invalid slots, which `attend` masks.
   """
   _check_plan(plan)
-  check_query(q, cache)
+  method = methods.get(plan.method)
+  check_query(q, cache if isinstance(cache, KVCache) else method.view(cache))
   _impl.check(impl)
-  return methods.get(plan.method).select(q, cache, plan, sliding_window=sliding_window,
+  return method.select(q, cache, plan, sliding_window=sliding_window,
                                          impl=impl)

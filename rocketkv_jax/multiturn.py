@@ -16,11 +16,13 @@ from rocketkv_jax._checks import require
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, extend, grow
 from rocketkv_jax.evict import evict
+from rocketkv_jax.stage2_lowrank import attach
 
 
 @struct.dataclass
 class MTState:
-  """full: every token so far ([B, Hkv, C_full, D]); view: the stage-1 compressed cache."""
+  """full: every token so far ([B, Hkv, C_full, D]); view: the stage-1 compressed cache (a
+  `LowRankState` around it for stage2="lowrank")."""
 
   full: KVCache
   view: KVCache
@@ -49,4 +51,4 @@ def begin_turn(state: MTState, k_turn: jax.Array, v_turn: jax.Array, q_window: j
   full = extend(full, k_turn, v_turn, turn_lengths)
   view = evict(full.k, full.v, q_window, plan, lengths=full.length, impl=impl)
   # evict() numbers slots by their index in `full`, which is the absolute position there.
-  return MTState(full=full, view=view.replace(seen=full.seen))
+  return MTState(full=full, view=attach(view.replace(seen=full.seen), plan))

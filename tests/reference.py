@@ -26,7 +26,7 @@ def plan_split(prompt, new, budget, d):
   top_k = budget // 2
   cr2 = max(1, capacity / budget)
   chunk = min(math.floor(cr2), math.ceil(math.sqrt(cr2)))
-  r = min(max(round(d * chunk / cr2), 1), d)
+  r = min(max(int(d * chunk / cr2), 1), d)  # truncated, as the original code does
   return capacity, prompt_budget, top_k, chunk, r
 
 

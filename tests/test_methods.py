@@ -16,13 +16,23 @@ import rocketkv_jax as rocketkv
 from rocketkv_jax import methods
 
 NAMES = sorted(methods.REGISTRY)
+# Each registered method, plus the variants of a method's stage 2 (`Method.stage2_variants`)
+# other than the default, as "method:stage2" (small lowrank pages so that several are summarised).
+VARIANTS = NAMES + [f"{n}:{s}" for n in NAMES for s in methods.get(n).stage2_variants
+                    if s != "minmax"]
 B, HKV, G, D, L, NEW, BUDGET = 2, 2, 2, 16, 48, 6, 16
 LENGTHS = np.array([48, 29], np.int32)
 
 
-def _config(name):
-  return rocketkv.RocketConfig(token_budget=BUDGET, method=name, window_size=4, page_size=4,
-                               sink_size=2)
+def _config(spec, **kw):
+  name, _, stage2 = spec.partition(":")
+  kw = dict(dict(token_budget=BUDGET, window_size=4, page_size=4, sink_size=2,
+                 stage2=stage2 or "minmax", lowrank_page_size=8, lowrank_rank=3), **kw)
+  return rocketkv.RocketConfig(method=name, **kw)
+
+
+def _method(spec):
+  return methods.get(spec.partition(":")[0])
 
 
 def _data(seed=0):
@@ -60,7 +70,7 @@ def _decode(name, rows, traces=None):
   return np.stack(outs, 1), first, state, plan
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", VARIANTS)
 def test_ragged_batch_equals_each_row_alone_and_compiles_once(name):
   traces = []
   both, first, last, plan = _decode(name, [0, 1], traces)
@@ -69,7 +79,7 @@ def test_ragged_batch_equals_each_row_alone_and_compiles_once(name):
   for i in range(B):
     alone, _, _, _ = _decode(name, [i])
     np.testing.assert_allclose(both[i], alone[0], rtol=1e-5, atol=1e-6)
-  method = methods.get(name)
+  method = _method(name)
   view0, view = method.view(first), method.view(last)
   kept = np.asarray(view0.length)
   np.testing.assert_array_equal(kept, np.minimum(LENGTHS, plan.prompt_budget))
@@ -77,14 +87,14 @@ def test_ragged_batch_equals_each_row_alone_and_compiles_once(name):
   assert not np.asarray(rocketkv.cache_overflow(last)).any()
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", VARIANTS)
 def test_selection_respects_the_budget(name):
   _, _, state, plan = _decode(name, [0, 1])
-  method = methods.get(name)
+  method = _method(name)
   cache = method.view(state)
   rng = np.random.default_rng(3)
   q = jnp.asarray(rng.standard_normal((B, HKV * G, D)).astype(np.float32))
-  idx = np.asarray(rocketkv.select(q, cache, plan))
+  idx = np.asarray(rocketkv.select(q, state, plan))  # the state: a method may read more
   length = np.asarray(cache.length)
   valid = idx < length[:, None, None]
   if method.dense:
@@ -101,9 +111,9 @@ def test_selection_respects_the_budget(name):
     assert read <= BUDGET
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", VARIANTS)
 def test_dense_layers_attend_to_every_slot(name):
-  method = methods.get(name)
+  method = _method(name)
   k, v, qw, steps = _data()
   plan = rocketkv.plan(_config(name), L, NEW, D)
   state = rocketkv.prefill(jnp.asarray(k), jnp.asarray(v), jnp.asarray(qw), plan,
@@ -122,13 +132,12 @@ def test_dense_layers_attend_to_every_slot(name):
       np.testing.assert_allclose(np.asarray(out[b]), ref.reshape(HKV * G, D), atol=1e-5)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", VARIANTS)
 def test_bad_config_is_rejected(name):
   with pytest.raises(ValueError, match="token_budget"):
-    rocketkv.RocketConfig(token_budget=0, method=name)
+    _config(name, token_budget=0)
   with pytest.raises(ValueError, match="capacity must be >="):
-    rocketkv.plan(rocketkv.RocketConfig(token_budget=BUDGET, method=name, capacity=2,
-                                        window_size=4), L, NEW, D)
+    rocketkv.plan(_config(name, capacity=2), L, NEW, D)
 
 
 def test_unknown_method_and_registry():
@@ -140,3 +149,8 @@ def test_unknown_method_and_registry():
     methods.register(methods.get("full"))
   p = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, method="rocketkv_mt"), 1000, 4, 64)
   assert p.method == "rocketkv_mt" and p.full_capacity == 1004  # Plan.method stays a string
+  assert {"rocketkv:rerank", "rocketkv:lowrank", "rocketkv_mt:lowrank"} <= set(VARIANTS)
+  for name in NAMES:  # a method without stage-2 variants rejects them before tracing
+    if "rerank" not in methods.get(name).stage2_variants:
+      with pytest.raises(ValueError, match="needs method in"):
+        rocketkv.RocketConfig(token_budget=64, method=name, stage2="rerank")

@@ -10,7 +10,16 @@ from reference import plan_split
 
 def test_paper_example():
   p = rocketkv.plan(rocketkv.RocketConfig(token_budget=256), 32668, 100, 128)
-  assert (p.capacity, p.prompt_budget, p.top_k, p.chunk_size, p.r) == (1618, 1518, 128, 3, 61)
+  # cr2 = 1618 / 256 = 6.3203; D * chunk / cr2 = 384 / 6.3203 = 60.76, truncated to 60.
+  assert (p.capacity, p.prompt_budget, p.top_k, p.chunk_size, p.r) == (1618, 1518, 128, 3, 60)
+
+
+@pytest.mark.parametrize("budget,capacity,r", [(128, 725, 33), (256, 1212, 40)])
+def test_r_truncated_like_the_original(budget, capacity, r):
+  # Prompt 4096 + 32 new, D 64: D * 3 / cr2 = 192 * B / capacity = 33.90 / 40.55; the original
+  # code's int() gives 33 / 40 (rounding would give 34 / 41).
+  p = rocketkv.plan(rocketkv.RocketConfig(token_budget=budget), 4096, 32, 64)
+  assert (p.capacity, p.chunk_size, p.r) == (capacity, 3, r)
 
 
 @pytest.mark.parametrize("prompt,new,budget,d", [

@@ -53,7 +53,7 @@ def _recall(k, v, qw, lengths, *, plan):
     cache = methods_lib.get(plan.method).view(state)
     kept_ok = jnp.arange(cache.capacity)[None, None, :] < cache.length[:, None, None]
     kept = _mass(probs, cache.pos, kept_ok)
-    idx = rocketkv.select(q, cache, plan)
+    idx = rocketkv.select(q, state, plan)  # the state: stage2="lowrank" reads its summaries
     sel_ok = jnp.take_along_axis(kept_ok, idx, axis=2) & (idx < cache.capacity)
     pos = jnp.take_along_axis(cache.pos, jnp.clip(idx, 0, cache.capacity - 1), axis=2)
     read = _mass(probs, pos, sel_ok)

@@ -6,9 +6,12 @@ A method spec is a name from `rocketkv.METHODS`, optionally followed by `:` and 
     rocketkv                        the paper's split
     rocketkv:chunk_size=1,r=64      stage 2 scores every kept token exactly (D = 64)
     rocketkv:top_k=B                stage 2 reads B tokens instead of B/2
+    rocketkv:stage2=rerank          stage 2 re-ranks the chunk bounds' candidates per token
+    rocketkv:stage2=lowrank,lowrank_rank=4   page-local low-rank key summaries (RocketConfig)
     snapkv:window_size=16
 
-Values are integers, floats (`alpha`), or `B` for the sweep's token budget (so one spec works
+Values are integers, floats (`alpha`, `rerank_factor`), names (`stage2`: one of
+`rocketkv.STAGE2`), or `B` for the sweep's token budget (so one spec works
 at every budget). The spec string is the method's name everywhere in the results (records,
 tables, plots), so a variant sits next to the methods it is compared with. The sweep's
 defaults use no overrides: variants exist to find out *why* a method scores what it scores,
@@ -20,9 +23,12 @@ from __future__ import annotations
 import dataclasses
 
 import rocketkv_jax as rocketkv
+from rocketkv_jax.config import STAGE2
 
 OVERRIDABLE = ("alpha", "capacity", "prompt_budget", "top_k", "chunk_size", "r", "window_size",
-               "kernel_size", "page_size", "sink_size")
+               "kernel_size", "page_size", "sink_size", "stage2", "rerank_factor",
+               "lowrank_page_size", "lowrank_rank")
+_FLOATS = ("alpha", "rerank_factor")
 
 
 def parse(spec: str) -> tuple[str, dict[str, int | float | str]]:
@@ -47,12 +53,17 @@ def parse(spec: str) -> tuple[str, dict[str, int | float | str]]:
 
 
 def _value(spec: str, key: str, val: str) -> int | float | str:
-  if val == "B" and key != "alpha":
+  if key == "stage2":
+    if val not in STAGE2:
+      raise ValueError(f"method override stage2={val!r} in {spec!r} must be one of "
+                       f"{list(STAGE2)}")
+    return val
+  if val == "B" and key not in _FLOATS:
     return val
   try:
-    return float(val) if key == "alpha" else int(val)
+    return float(val) if key in _FLOATS else int(val)
   except ValueError:
-    kind = "a float" if key == "alpha" else "an integer or B"
+    kind = "a float" if key in _FLOATS else "an integer or B"
     raise ValueError(f"method override {key}={val!r} in {spec!r} must be {kind}") from None
 
 

@@ -17,7 +17,7 @@ from rocketkv_jax.methods.base import Method
 from rocketkv_jax.methods.exact_topk import ExactTopK
 from rocketkv_jax.methods.full import Full
 from rocketkv_jax.methods.quest import Quest
-from rocketkv_jax.methods.rocketkv import RocketKV
+from rocketkv_jax.methods.rocketkv import STAGE2, RocketKV
 from rocketkv_jax.methods.rocketkv_mt import RocketKVMT
 from rocketkv_jax.methods.snapkv import SnapKV
 from rocketkv_jax.methods.sparq import SparQ
@@ -53,4 +53,4 @@ def get(name: str) -> Method:
   return REGISTRY[name]
 
 
-__all__ = ["METHODS", "Method", "REGISTRY", "get", "register"]
+__all__ = ["METHODS", "Method", "REGISTRY", "STAGE2", "get", "register"]

@@ -7,14 +7,15 @@ everything specific to it:
     split(config, prompt_len, new, D)  its Plan fields: the budget split
     prefill(k, v, q_window, plan)      its per-layer decode state (any pytree)
     view(state)                        the KVCache inside that state which attention reads
-    select(q, cache, plan)             its per-step read: int32 [B, Hkv, K] slots
+    select(q, state, plan)             its per-step read: int32 [B, Hkv, K] slots of view(state)
     decode_step(q, k, v, state, plan)  one step over its state (default: append -> select ->
                                        attend, or dense attention when `dense`)
     dense_layers(plan)                 layers whose decode steps read every slot
     tokens_read(plan, kept, steps)     the K/V tokens one decode step reads (generate's stats)
 
 and a few class-level facts the harness and `generate` read instead of its name: `summary`
-(what B means for it), `dense`, `uses_budget`, `keeps_full_cache`, `replan_per_turn`.
+(what B means for it), `dense`, `uses_budget`, `keeps_full_cache`, `replan_per_turn`,
+`stage2_variants` (the `RocketConfig.stage2` values it accepts).
 
 The base class is the uncompressed, dense method ("full"): every default below is correct for
 it, and a new method overrides only what differs.
@@ -44,6 +45,8 @@ class Method:
   uses_budget: ClassVar[bool] = True  # False: B is ignored (one eval record, budget None)
   keeps_full_cache: ClassVar[bool] = False  # multi-turn: each turn re-runs stage 1 (begin_turn)
   replan_per_turn: ClassVar[bool] = False  # multi-turn: the split is re-made for each turn
+  # RocketConfig.stage2 values it accepts: variants of its stage-2 read (methods/rocketkv.py).
+  stage2_variants: ClassVar[tuple[str, ...]] = ("minmax",)
 
   # ---------------------------------------------------------------- configuration
   def check_config(self, config) -> None:
@@ -68,22 +71,21 @@ class Method:
     return state
 
   # ---------------------------------------------------------------- decoding
-  def select(self, q: jax.Array, cache: KVCache, plan: Plan, *,
+  def select(self, q: jax.Array, state, plan: Plan, *,
              sliding_window: int | None = None, impl: str = "auto") -> jax.Array:
-    """int32 `[B, Hkv, K]` slots of `cache` (which already holds q's token) to attend to."""
+    """int32 `[B, Hkv, K]` slots of `view(state)` (which already holds q's token) to attend to.
+
+    `state` is the method's decode state (a `KVCache` for most methods); a method whose state
+    holds more than the cache may read that too (RocketKV's "lowrank" summaries)."""
     del q, plan, sliding_window, impl
-    return all_slots(cache)
+    return all_slots(self.view(state))
 
   def decode_step(self, q: jax.Array, k_new: jax.Array, v_new: jax.Array, state, plan: Plan, *,
                   dense: bool = False, sliding_window: int | None = None,
                   impl: str = "auto"):
     """(out [B, Hq, D], new state). `dense`: this layer reads every slot (`dense_layers`)."""
     cache = state
-    require(isinstance(cache, KVCache), f"cache must be a KVCache, got {type(cache)}")
-    check_query(q, cache)
-    require(q.dtype == cache.k.dtype or q.dtype == jax.numpy.float32,
-            f"q dtype {q.dtype} must match the cache dtype {cache.k.dtype} (or be float32)")
-    new = append(cache, k_new, v_new)
+    new = checked_append(q, k_new, v_new, cache)
     if dense or self.dense:  # read before the write: see attend_dense_before_append
       return (attend_dense_before_append(q, cache, k_new, v_new, sliding_window=sliding_window),
               new)
@@ -102,6 +104,15 @@ class Method:
     """K/V tokens one decode step reads once `kept` prompt tokens and `steps` new ones are
     cached: `top_k` of them for a selecting method, all of them for a dense one."""
     return min(plan.top_k, kept + steps) if plan.top_k else kept + steps
+
+
+def checked_append(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache) -> KVCache:
+  """`append(cache, k_new, v_new)` after checking `q` against the cache (a decode step's start)."""
+  require(isinstance(cache, KVCache), f"cache must be a KVCache, got {type(cache)}")
+  check_query(q, cache)
+  require(q.dtype == cache.k.dtype or q.dtype == jax.numpy.float32,
+          f"q dtype {q.dtype} must match the cache dtype {cache.k.dtype} (or be float32)")
+  return append(cache, k_new, v_new)
 
 
 def full_split(prompt_len: int, max_new_tokens: int, head_dim: int) -> dict:

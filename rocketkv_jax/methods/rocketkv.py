@@ -6,16 +6,35 @@ Stage 1 (`evict`): SnapKV-style, the last `window_size` prompt queries score eve
 of `chunk_size` slots by element-wise min / max; the query's top-r dims score the chunks
 (`select.approx_bounds_scores_xla`) and the `top_k` best slots are read exactly. The budget
 split is the paper's (`budget.paper_split`).
+
+Stage 2 has variants, `RocketConfig.stage2` (`STAGE2`), all owned here:
+- "minmax": the paper's, above. The state is the `KVCache`.
+- "rerank": the chunk scores shortlist `rerank_candidates` slots, each re-scored on its own key
+  (stage2_rerank.py). The state is the `KVCache`; a decode step attends from the candidate K
+  rows it already read.
+- "lowrank": page-local low-rank key summaries score every slot (stage2_lowrank.py). The state
+  is a `LowRankState` (the cache, no chunk summaries, plus its prompt-key summaries); `view`
+  gives its `KVCache`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
+from rocketkv_jax import stage2_lowrank, stage2_rerank
+from rocketkv_jax._checks import require, require_int
+from rocketkv_jax.attend import attend, attend_dense_before_append
 from rocketkv_jax.budget import paper_split
+from rocketkv_jax.cache import valid_slots
 from rocketkv_jax.evict import evict
-from rocketkv_jax.methods.base import Method, require_half_budget, require_window_budget
+from rocketkv_jax.methods.base import (Method, checked_append, require_half_budget,
+                                       require_window_budget)
 from rocketkv_jax.methods.sparq import approx_select
+from rocketkv_jax.select import approx_scores, check_chunks
+from rocketkv_jax.stage2_lowrank import LowRankState
+
+STAGE2 = ("minmax", "rerank", "lowrank")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,16 +43,67 @@ class RocketKV(Method):
   summary = "stage 1 eviction to the planned capacity + hybrid sparse attention (top_k=B/2)"
   dense = False
   replan_per_turn = True
+  stage2_variants = STAGE2
 
   def check_config(self, config):
     require_window_budget(config)
     require_half_budget(config)
+    rf = config.rerank_factor
+    require(isinstance(rf, (int, float)) and not isinstance(rf, bool) and rf >= 1,
+            f"rerank_factor must be a number >= 1, got {rf!r}")
+    require_int("lowrank_page_size", config.lowrank_page_size, 1)
+    require_int("lowrank_rank", config.lowrank_rank, 1, config.lowrank_page_size)
 
   def split(self, config, prompt_len, max_new_tokens, head_dim):
-    return paper_split(config, prompt_len, max_new_tokens, head_dim)
+    split = paper_split(config, prompt_len, max_new_tokens, head_dim)
+    if config.stage2 == "rerank":
+      top_k = split["top_k"]
+      split.update(stage2="rerank",
+                   rerank_candidates=max(top_k, math.ceil(config.rerank_factor * top_k)))
+    elif config.stage2 == "lowrank":
+      require(config.lowrank_rank <= head_dim,
+              f"lowrank_rank must be in [1, head_dim={head_dim}], got {config.lowrank_rank}")
+      # No chunk min/max summaries: the cache keeps none and `append` updates none.
+      split.update(stage2="lowrank", chunk_size=0, lowrank_page_size=config.lowrank_page_size,
+                   lowrank_rank=config.lowrank_rank)
+    return split
 
   def prefill(self, k, v, q_window, plan, *, lengths=None, impl="auto"):
-    return evict(k, v, q_window, plan, lengths=lengths, impl=impl)
+    return stage2_lowrank.attach(evict(k, v, q_window, plan, lengths=lengths, impl=impl), plan)
 
-  def select(self, q, cache, plan, *, sliding_window=None, impl="auto"):
-    return approx_select(q, cache, plan, sliding_window=sliding_window, impl=impl)
+  def view(self, state):
+    return state.cache if isinstance(state, LowRankState) else state
+
+  def select(self, q, state, plan, *, sliding_window=None, impl="auto"):
+    return stage2_select(q, state, plan, sliding_window=sliding_window, impl=impl)
+
+  def decode_step(self, q, k_new, v_new, state, plan, *, dense=False, sliding_window=None,
+                  impl="auto"):
+    require(isinstance(state, LowRankState) == (plan.stage2 == "lowrank"),
+            f"a stage2={plan.stage2!r} plan needs the state its prefill built, got {type(state)}")
+    cache = self.view(state)
+    new = checked_append(q, k_new, v_new, cache)
+    new_state = state.replace(cache=new) if isinstance(state, LowRankState) else new
+    if dense:  # read before the write: see attend_dense_before_append
+      return (attend_dense_before_append(q, cache, k_new, v_new, sliding_window=sliding_window),
+              new_state)
+    if plan.stage2 == "rerank":  # attends from the candidate K rows it read (stage2_rerank.py)
+      return (stage2_rerank.decode_attend(q, new, plan, sliding_window=sliding_window,
+                                          impl=impl), new_state)
+    idx = stage2_select(q, new_state, plan, sliding_window=sliding_window, impl=impl)
+    return attend(q, new, idx, sliding_window=sliding_window, impl=impl), new_state
+
+
+def stage2_select(q, state, plan, *, sliding_window=None, impl="auto"):
+  """RocketKV's stage 2 by `plan.stage2`: int32 `[B, Hkv, min(top_k, C)]` slots of the cache in
+  `state` (a `KVCache`; a `LowRankState` for "lowrank")."""
+  if plan.stage2 == "lowrank":
+    return stage2_lowrank.select_lowrank(q, state, plan, sliding_window=sliding_window)
+  require(not isinstance(state, LowRankState),
+          f"a stage2={plan.stage2!r} plan needs a KVCache, got a LowRankState")
+  if plan.stage2 == "rerank":
+    check_chunks(state, plan.chunk_size)
+    chunk = approx_scores(q, state, plan.r, impl=impl)
+    return stage2_rerank.select_rerank(q, state, plan, chunk, valid_slots(state, sliding_window),
+                                       sliding_window)
+  return approx_select(q, state, plan, sliding_window=sliding_window, impl=impl)

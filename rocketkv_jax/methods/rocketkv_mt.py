@@ -1,7 +1,8 @@
 """RocketKV-MT: RocketKV that keeps the full cache so that each turn re-runs stage 1.
 
 Its state is an `MTState` (rocketkv_jax/multiturn.py): the uncompressed cache of every token
-(`full`, capacity `plan.full_capacity`) and the stage-1 view that decoding reads. Each decode
+(`full`, capacity `plan.full_capacity`) and the stage-1 view that decoding reads, as RocketKV's
+state (a `LowRankState` around the cache for stage2="lowrank"). Each decode
 step appends the new token to both; `rocketkv.begin_turn` re-runs stage 1 for a new turn.
 """
 
@@ -11,7 +12,6 @@ import dataclasses
 
 from rocketkv_jax._checks import require
 from rocketkv_jax.cache import append, full_cache
-from rocketkv_jax.evict import evict
 from rocketkv_jax.methods.rocketkv import RocketKV
 from rocketkv_jax.multiturn import MTState
 
@@ -30,11 +30,16 @@ class RocketKVMT(RocketKV):
     """First turn: `full` keeps every prompt token, `view` is stage 1 of it."""
     require(plan.full_capacity > 0, "plan must come from a 'rocketkv_mt' config")
     full = full_cache(k, v, max(plan.full_capacity, k.shape[2]), 0, lengths)  # no summaries
-    view = evict(k, v, q_window, plan, lengths=lengths, impl=impl)
+    view = super().prefill(k, v, q_window, plan, lengths=lengths, impl=impl)
     return MTState(full=full, view=view)
 
   def view(self, state):
-    return state.view
+    """The compressed cache decoding reads (inside `state.view`'s stage-2 state)."""
+    return super().view(state.view if isinstance(state, MTState) else state)
+
+  def select(self, q, state, plan, *, sliding_window=None, impl="auto"):
+    return super().select(q, state.view if isinstance(state, MTState) else state, plan,
+                          sliding_window=sliding_window, impl=impl)
 
   def decode_step(self, q, k_new, v_new, state, plan, *, dense=False, sliding_window=None,
                   impl="auto"):

@@ -1,0 +1,147 @@
+"""Stage 2, `stage2="rerank"`: chunk bounds pick candidates, per-token scores pick `top_k`.
+
+The paper's min/max chunk score gives every slot of a chunk the same score, so with chunks of 3
+slots on 64-dim heads the top-k reads whole chunks around a few strong tokens and misses others
+(issue #13). Here the chunk scores only shortlist `M = plan.rerank_candidates` slots (about
+`rerank_factor * top_k`); each candidate is then scored on its own key, on the same r dims:
+
+1. r dims and SparQ's temperature exactly as the chunk score (`select.py`);
+2. candidate scores q_r . k_r (exact on those dims, no sign choice: the keys themselves) from
+   one gather of the M candidate key rows (`cache.k`);
+3. softmax over the candidates per query head (invalid candidates masked), summed over the group;
+4. the `top_k` best candidates (ties to the better chunk score).
+
+In `decode_step` (`decode_attend`) the attention takes the selected K rows from the M candidate
+rows already read, so the step reads the r x NC bounds, M K rows and top_k V rows per KV head
+(minmax: top_k K rows and V rows). M = ceil(1.5 * top_k) keeps that at 1.13x minmax's bytes at
+32K / B=256 / D=128 (README, "Stage-2 variants").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from rocketkv_jax.budget import Plan
+from rocketkv_jax.cache import KVCache, valid_slots
+from rocketkv_jax.ops import approx_scale, group_queries, top_r_dims
+from rocketkv_jax.select import _group_softmax_sum, approx_scores, check_chunks, top_chunk_slots
+
+
+def top_dims(q: jax.Array, hkv: int, r: int):
+  """The r dims stage 2 scores on, and the scaled query on them.
+
+  Args:
+    q: [B, Hq, D] decode query.
+    hkv: KV heads.
+    r: dims kept.
+  Returns:
+    (ridx [B, Hkv, r] int32 dims with the largest |q| summed over the group,
+     q_r [B, Hkv, G, r] float32 q on those dims times 1 / sqrt(D * sum|q_r| / sum|q|)).
+  """
+  qg = group_queries(q, hkv).astype(jnp.float32)
+  ridx, _ = top_r_dims(qg, r)
+  q_r = jnp.take_along_axis(qg, ridx[:, :, None, :], axis=-1)
+  return ridx, q_r * approx_scale(q_r, qg)[..., None]
+
+
+def _logits_of_rows(q: jax.Array, rows: jax.Array, r: int):
+  """q [B, Hq, D], rows [B, Hkv, M, D] float32 -> (approximate logits q_r . k_r, SparQ-scaled,
+  and exact logits q . k / sqrt(D)), each [B, Hkv, G, M] float32, from one product.
+
+  q_r . k_r is a [G, D] x [D, M] product with q zeroed outside its r dims: exactly the r-dim
+  product, from whole rows (one row gather is much cheaper on XLA:CPU than an element gather of
+  r scattered dims, and the exact logits for the attention come from the same rows)."""
+  b, hkv, _, d = rows.shape
+  g = q.shape[1] // hkv
+  ridx, q_r = top_dims(q, hkv, r)
+  # q_r scattered back to [B, Hkv, G, D]: one-hot [r, D] masks summed (r distinct dims).
+  onehot = (ridx[..., None] == jnp.arange(d)).astype(jnp.float32)  # [B, Hkv, r, D]
+  q_masked = jnp.einsum("bhgr,bhrd->bhgd", q_r, onehot)
+  q_full = q.reshape(b, hkv, g, d).astype(jnp.float32) * lax.rsqrt(jnp.float32(d))
+  logits = jnp.einsum("bhgd,bhmd->bhgm", jnp.concatenate([q_masked, q_full], axis=2), rows)
+  return logits[:, :, :g], logits[:, :, g:]
+
+
+def scores_of_rows(q: jax.Array, rows: jax.Array, ok: jax.Array, r: int) -> jax.Array:
+  """Per-token approximate scores of gathered key rows.
+
+  Args:
+    q: [B, Hq, D] decode query (post-RoPE).
+    rows: [B, Hkv, M, D] float32 candidate keys.
+    ok: [B, Hkv, M] bool, candidate is a valid slot.
+    r: head dims kept (as for the chunk score).
+  Returns:
+    [B, Hkv, M] float32: softmax over the valid candidates of q_r . k_r (SparQ-scaled) per query
+    head, summed over the group; 0 where not `ok`.
+  """
+  return _group_softmax_sum(_logits_of_rows(q, rows, r)[0], ok)
+
+
+def candidate_scores_xla(q: jax.Array, k: jax.Array, cand: jax.Array, cand_ok: jax.Array,
+                         r: int) -> jax.Array:
+  """`scores_of_rows` of the candidate slots `cand [B, Hkv, M]` (in [0, C)) of `k [B, Hkv, C,
+  D]`; `cand_ok [B, Hkv, M]` marks the valid ones. Returns [B, Hkv, M] float32."""
+  rows = jnp.take_along_axis(k, cand[..., None], axis=2).astype(jnp.float32)
+  return scores_of_rows(q, rows, cand_ok, r)
+
+
+def _rerank(q, cache, plan, chunk_scores, valid, sliding_window):
+  """Returns (cand [B, Hkv, M] candidate slots, ok [B, Hkv, M] valid, best [B, Hkv, k] positions
+  of the top_k among them, exact logits [B, Hkv, G, M] of the candidates)."""
+  c = cache.capacity
+  k = min(plan.top_k, c)
+  m = min(max(plan.rerank_candidates, k), c)
+  cand = top_chunk_slots(chunk_scores, cache, m, sliding_window)
+  # Candidates past the valid slots (only when fewer than m are valid) may be >= C.
+  safe = jnp.minimum(cand, c - 1)
+  ok = jnp.take_along_axis(valid, safe, axis=-1) & (cand < c)
+  rows = jnp.take_along_axis(cache.k, safe[..., None], axis=2).astype(jnp.float32)
+  approx, exact = _logits_of_rows(q, rows, plan.r)
+  scores = _group_softmax_sum(approx, ok)
+  _, best = lax.top_k(jnp.where(ok, scores, -jnp.inf), k)  # ties: the lower (better) candidate
+  return cand, ok, best, exact
+
+
+def select_rerank(q: jax.Array, cache: KVCache, plan: Plan, chunk_scores: jax.Array,
+                  valid: jax.Array, sliding_window: int | None) -> jax.Array:
+  """The `top_k` slots per KV head, re-ranked from the chunk scores' candidates.
+
+  Args:
+    q: [B, Hq, D] decode query.
+    cache: the cache (holding the query's own token).
+    plan: a "rerank" plan.
+    chunk_scores: [B, Hkv, NC] the min/max chunk scores.
+    valid: [B, Hkv, C] `valid_slots(cache, sliding_window)`.
+    sliding_window: as in `select`.
+  Returns:
+    int32 [B, Hkv, min(top_k, C)], as `select`: no slot twice; when fewer slots than that are
+    valid, every valid slot and distinct invalid ones.
+  """
+  cand, _, best, _ = _rerank(q, cache, plan, chunk_scores, valid, sliding_window)
+  return jnp.take_along_axis(cand, best, axis=-1)
+
+
+def decode_attend(q: jax.Array, cache: KVCache, plan: Plan, *,
+                  sliding_window: int | None = None, impl: str = "auto") -> jax.Array:
+  """Stage 2 + attention of one decode step for a "rerank" plan: `attend(q, cache,
+  select(q, cache, plan))`, with the attention logits of the selected slots taken from the
+  candidate K rows already read (K is read once, for the M candidates; V for the top_k).
+  XLA path (the Pallas kernels score the chunks). Returns [B, Hq, D] in q's dtype."""
+  check_chunks(cache, plan.chunk_size)
+  valid = valid_slots(cache, sliding_window)
+  cand, ok, best, exact = _rerank(q, cache, plan, approx_scores(q, cache, plan.r, impl=impl),
+                                  valid, sliding_window)
+  c = cache.capacity
+  slots = jnp.minimum(jnp.take_along_axis(cand, best, axis=-1), c - 1)
+  sel_ok = jnp.take_along_axis(ok, best, axis=-1)[:, :, None, :]  # [B, Hkv, 1, k]
+  logits = jnp.take_along_axis(exact, best[:, :, None, :], axis=-1)  # [B, Hkv, G, k]
+  logits = jnp.where(sel_ok, logits, -jnp.inf)
+  mx = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
+  v_sel = jnp.take_along_axis(cache.v, slots[..., None], axis=2).astype(jnp.float32)
+  out = jnp.einsum("bhgk,bhkd->bhgd", p, v_sel)
+  out = out / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+  b, hq, d = q.shape
+  return out.reshape(b, hq, d).astype(q.dtype)

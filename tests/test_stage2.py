@@ -1,0 +1,417 @@
+"""RocketConfig.stage2 = "rerank" / "lowrank" against float64 NumPy references written here.
+
+The references follow the definitions (stage2_rerank.py / stage2_lowrank.py docstrings) loop by
+loop: per-token scores, selected sets on random data (checked exactly where the reference's
+k-th and (k+1)-th scores are well apart, and by score mass always), decode steps end to end,
+ragged batches, sliding windows, and that "minmax" is unchanged.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rocketkv_jax as rocketkv
+import reference as ref
+from rocketkv_jax.eval import variants
+from rocketkv_jax.stage2_lowrank import LowRankState, slot_logits_xla
+from rocketkv_jax.stage2_rerank import candidate_scores_xla
+
+D, HKV, G = 16, 2, 4
+HQ = HKV * G
+
+
+# --------------------------------------------------------------------------- references
+def ref_rerank_scores(q, k, cand, ok, r):
+  """q [Hq, D], k [Hkv, C, D], cand/ok [Hkv, M] -> [Hkv, M]: softmax over the valid candidates
+  of q_r . k_r / sqrt(D * sum|q_r| / sum|q|) per query head, summed over the group."""
+  q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  hq, d = q.shape
+  hkv = k.shape[0]
+  g = hq // hkv
+  out = np.zeros(cand.shape)
+  for h in range(hkv):
+    qg = q[h * g:(h + 1) * g]
+    dims = np.argsort(-np.abs(qg).sum(0), kind="stable")[:r]
+    for i in range(g):
+      scale = math.sqrt(d * np.abs(qg[i, dims]).sum() / np.abs(qg[i]).sum())
+      logits = k[h, cand[h]][:, dims] @ qg[i, dims] / scale
+      logits[~ok[h]] = -np.inf
+      out[h] += ref.softmax(logits)
+  return out
+
+
+def ref_rerank_select(q, k, valid, chunk, r, m, top_k):
+  """One sequence: the chunk scores' top m valid slots (ties to the lower slot), re-ranked.
+
+  valid [Hkv, C] bool (prefix of `length` slots, optionally cut by a sliding window; the chunk
+  bounds cover every slot < length). Returns (per head the selected slots, per head
+  {slot: rerank score} of the candidates)."""
+  length = int(valid.any(0).nonzero()[0].max()) + 1
+  chunk_scores = ref.approx_slot_scores(q, k, length, chunk, r)
+  sel, cand_scores = [], []
+  for h in range(k.shape[0]):
+    s = np.where(valid[h], chunk_scores[h], -np.inf)
+    order = np.argsort(-s, kind="stable")
+    cand = order[:m][np.isfinite(s[order[:m]])]
+    sc = ref_rerank_scores(q[h * G:(h + 1) * G], k[h:h + 1], cand[None],
+                           np.ones((1, len(cand)), bool), r)[0]
+    best = np.argsort(-sc, kind="stable")[:top_k]
+    sel.append(set(cand[best].tolist()))
+    cand_scores.append(dict(zip(cand.tolist(), sc.tolist())))
+  return sel, cand_scores
+
+
+def ref_lowrank_logits(q, k, n_prompt, page, rank):
+  """q [Hq, D], k [Hkv, C, D]: logits q . k_i / sqrt(D) with k_i of every prompt slot
+  (i < n_prompt) replaced by mu_p + U_p U_p^T (k_i - mu_p), U_p the top-`rank` right singular
+  vectors of its page's centred keys; exact q . k_i / sqrt(D) for the other slots.
+  Returns [Hq, C]."""
+  q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  hq, d = q.shape
+  hkv, c, _ = k.shape
+  g = hq // hkv
+  kk = k.copy()
+  for h in range(hkv):
+    for lo in range(0, n_prompt, page):
+      hi = min(lo + page, n_prompt)
+      x = k[h, lo:hi]
+      mu = x.mean(0)
+      _, _, vt = np.linalg.svd(x - mu, full_matrices=False)
+      u = vt[:rank]
+      kk[h, lo:hi] = mu + (x - mu) @ u.T @ u
+  return np.stack([kk[i // g] @ q[i] for i in range(hq)]) / math.sqrt(d)
+
+
+def ref_lowrank_select(q, k, valid, n_prompt, page, rank, top_k):
+  """One sequence: per KV head the top_k valid slots by the group sum of per-head softmaxes of
+  `ref_lowrank_logits`. Returns (selected sets, scores [Hkv, C])."""
+  logits = ref_lowrank_logits(q, k, n_prompt, page, rank)
+  hkv, c = valid.shape
+  scores = np.full((hkv, c), -np.inf)
+  sel = []
+  for h in range(hkv):
+    tot = np.zeros(c)
+    for i in range(G):
+      tot += ref.softmax(np.where(valid[h], logits[h * G + i], -np.inf))
+    scores[h] = np.where(valid[h], tot, -np.inf)
+    sel.append(set(np.argsort(-scores[h], kind="stable")[:min(top_k, valid[h].sum())].tolist()))
+  return sel, scores
+
+
+def _separated(scores, n, rel=1e-3):
+  """The n-th and (n+1)-th best finite scores are well apart (an exact set is well defined)."""
+  s = np.sort(scores[np.isfinite(scores)])[::-1]
+  return len(s) <= n or s[n - 1] - s[n] > rel * max(abs(s[n - 1]), 1e-12)
+
+
+def _check_selection(idx, want_sets, scores_of, valid, top_k):
+  """idx [Hkv, K] chosen; want_sets per head; scores_of(h) -> {slot: ref score}."""
+  for h in range(idx.shape[0]):
+    chosen = idx[h].tolist()
+    assert len(set(chosen)) == len(chosen), "no slot twice"
+    ok = [s for s in chosen if 0 <= s < valid.shape[1] and valid[h, s]]
+    assert len(ok) == min(top_k, int(valid[h].sum()))
+    sc = scores_of(h)
+    np.testing.assert_allclose(sum(sc[s] for s in ok), sum(sc[s] for s in want_sets[h]),
+                               rtol=1e-5, atol=1e-6)
+    if _separated(np.array(list(sc.values())), len(want_sets[h])):
+      assert set(ok) == want_sets[h]
+
+
+def _keys(seed, b, c, lengths):
+  rng = np.random.default_rng(seed)
+  k = rng.standard_normal((b, HKV, c, D)).astype(np.float32)
+  k[..., 0] *= 4.0  # an outlier channel, as real keys have
+  k += rng.standard_normal((b, HKV, 1, D)).astype(np.float32)  # a common offset
+  for i, n in enumerate(lengths):
+    k[i, :, n:] = 0.0
+  return k
+
+
+# --------------------------------------------------------------------------- config / plan
+def test_stage2_config_plan_and_errors():
+  base = rocketkv.plan(rocketkv.RocketConfig(token_budget=64), 1000, 10, 64)
+  assert (base.stage2, base.rerank_candidates, base.lowrank_page_size) == ("minmax", 0, 0)
+  rr = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, stage2="rerank", rerank_factor=1.5),
+                     1000, 10, 64)
+  assert (rr.stage2, rr.top_k, rr.rerank_candidates) == ("rerank", 32, 48)
+  assert (rr.capacity, rr.chunk_size, rr.r) == (base.capacity, base.chunk_size, base.r)
+  lr = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, stage2="lowrank", lowrank_rank=4,
+                                           lowrank_page_size=32, method="rocketkv_mt"),
+                     1000, 10, 64)
+  assert (lr.stage2, lr.chunk_size, lr.lowrank_page_size, lr.lowrank_rank) == (
+      "lowrank", 0, 32, 4)
+  with pytest.raises(ValueError, match=r"stage2 must be one of \['minmax', 'rerank', 'lowrank'\]"):
+    rocketkv.RocketConfig(token_budget=64, stage2="exact")
+  with pytest.raises(ValueError, match="needs method in"):
+    rocketkv.RocketConfig(token_budget=64, method="quest", stage2="rerank")
+  with pytest.raises(ValueError, match="rerank_factor"):
+    rocketkv.RocketConfig(token_budget=64, stage2="rerank", rerank_factor=0.5)
+  with pytest.raises(ValueError, match="lowrank_rank"):
+    rocketkv.RocketConfig(token_budget=64, stage2="lowrank", lowrank_page_size=8, lowrank_rank=9)
+  with pytest.raises(ValueError, match="lowrank_rank"):
+    rocketkv.plan(rocketkv.RocketConfig(token_budget=64, stage2="lowrank", lowrank_rank=20),
+                  1000, 10, 16)
+
+
+def test_variant_specs():
+  assert variants.parse("rocketkv:stage2=rerank,rerank_factor=2") == (
+      "rocketkv", {"stage2": "rerank", "rerank_factor": 2.0})
+  cfg = variants.rocket_config("rocketkv_mt:stage2=lowrank,lowrank_rank=4", 256)
+  assert (cfg.method, cfg.stage2, cfg.lowrank_rank) == ("rocketkv_mt", "lowrank", 4)
+  with pytest.raises(ValueError, match="must be one of"):
+    variants.parse("rocketkv:stage2=foo")
+
+
+def test_minmax_unchanged():
+  """The default stays the paper's: a plain KVCache with min/max summaries, same plan."""
+  cfg = rocketkv.RocketConfig(token_budget=64, window_size=8)
+  assert cfg.stage2 == "minmax"
+  k = _keys(0, 2, 120, [120, 90])
+  q = np.random.default_rng(1).standard_normal((2, HQ, 8, D)).astype(np.float32)
+  plan = rocketkv.plan(cfg, 120, 4, D)
+  state = rocketkv.prefill(jnp.asarray(k), jnp.asarray(k), jnp.asarray(q), plan,
+                           lengths=jnp.array([120, 90]))
+  assert type(state) is rocketkv.KVCache and state.chunk_size == plan.chunk_size > 0
+  assert len(jax.tree_util.tree_leaves(state)) == 7  # k, v, bounds, pos, length, seen, overflow
+  idx = np.asarray(rocketkv.select(jnp.asarray(q[:, :, -1]), state, plan))
+  k_c = np.asarray(state.k)
+  for b in range(2):
+    n = int(state.length[b])
+    scores = ref.approx_slot_scores(q[b, :, -1], k_c[b], n, plan.chunk_size, plan.r)
+    for h in range(HKV):
+      chosen = idx[b, h][idx[b, h] < n]
+      want = np.sort(scores[h, :n])[::-1][:plan.top_k].sum()
+      np.testing.assert_allclose(scores[h, chosen].sum(), want, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- rerank
+def test_rerank_candidate_scores_match_reference():
+  b, c, m, r = 2, 50, 17, 5
+  k = _keys(2, b, c, [c, c])
+  rng = np.random.default_rng(3)
+  q = rng.standard_normal((b, HQ, D)).astype(np.float32)
+  cand = np.stack([np.stack([rng.permutation(c)[:m] for _ in range(HKV)]) for _ in range(b)])
+  ok = rng.random((b, HKV, m)) < 0.8
+  got = np.asarray(candidate_scores_xla(jnp.asarray(q), jnp.asarray(k),
+                                        jnp.asarray(cand, jnp.int32), jnp.asarray(ok), r))
+  for i in range(b):
+    want = ref_rerank_scores(q[i], k[i], cand[i], ok[i], r)
+    np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-6)
+  assert np.all(got[~ok] == 0)
+
+
+@pytest.mark.parametrize("seed,chunk,top_k,factor", [(0, 2, 8, 1.5), (1, 3, 7, 2.0),
+                                                     (2, 1, 12, 1.5), (3, 4, 40, 1.5)])
+def test_rerank_select_matches_reference(seed, chunk, top_k, factor):
+  """Ragged batch (second sequence shorter; top_k 40 >= its valid candidates in one case)."""
+  c, r = 64, 6
+  lengths = [64, 37]
+  k = _keys(seed, 2, c, lengths)
+  q = np.random.default_rng(seed + 100).standard_normal((2, HQ, D)).astype(np.float32)
+  cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, chunk_size=chunk, r=r,
+                              top_k=top_k, stage2="rerank", rerank_factor=factor)
+  plan = rocketkv.plan(cfg, c, 0, D)
+  cache = rocketkv.full_cache(jnp.asarray(k), jnp.asarray(k), c, chunk, jnp.asarray(lengths))
+  idx = np.asarray(rocketkv.select(jnp.asarray(q), cache, plan))
+  assert idx.shape == (2, HKV, top_k) and idx.dtype == np.int32
+  m = math.ceil(factor * top_k)
+  for b in range(2):
+    valid = np.broadcast_to(np.arange(c) < lengths[b], (HKV, c))
+    want, cand_scores = ref_rerank_select(q[b], k[b], valid, chunk, r, m, top_k)
+    _check_selection(idx[b], want, lambda h: cand_scores[h], valid, top_k)
+
+
+def test_rerank_sliding_window():
+  c, chunk, r, top_k, window = 80, 3, 6, 10, 30
+  lengths = [80, 52]
+  k = _keys(7, 2, c, lengths)
+  q = np.random.default_rng(8).standard_normal((2, HQ, D)).astype(np.float32)
+  cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, chunk_size=chunk, r=r,
+                              top_k=top_k, stage2="rerank")
+  plan = rocketkv.plan(cfg, c, 0, D)
+  cache = rocketkv.full_cache(jnp.asarray(k), jnp.asarray(k), c, chunk, jnp.asarray(lengths))
+  idx = np.asarray(rocketkv.select(jnp.asarray(q), cache, plan, sliding_window=window))
+  for b in range(2):
+    pos = np.arange(c)
+    valid = np.broadcast_to((pos < lengths[b]) & (lengths[b] - 1 - pos < window), (HKV, c))
+    want, cand_scores = ref_rerank_select(q[b], k[b], valid, chunk, r, 15, top_k)
+    _check_selection(idx[b], want, lambda h: cand_scores[h], valid, top_k)
+
+
+# --------------------------------------------------------------------------- lowrank
+def _lowrank_state(k, lengths, page, rank, top_k, new=0):
+  c = k.shape[2]
+  cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, top_k=top_k, stage2="lowrank",
+                              lowrank_page_size=page, lowrank_rank=rank, capacity=c)
+  plan = rocketkv.plan(cfg, c - new, new, D)
+  cache = rocketkv.full_cache(jnp.asarray(k), jnp.asarray(k), c, 0, jnp.asarray(lengths))
+  from rocketkv_jax.stage2_lowrank import build
+  return build(cache, plan), plan
+
+
+def test_lowrank_logits_match_reference():
+  page, rank = 16, 4
+  lengths = [60, 37]  # partial last pages
+  k = _keys(11, 2, 64, lengths)
+  state, plan = _lowrank_state(k, lengths, page, rank, 8)
+  q = np.random.default_rng(12).standard_normal((2, HQ, D)).astype(np.float32)
+  logits, _ = slot_logits_xla(jnp.asarray(q), state, 0)
+  logits = np.asarray(logits).reshape(2, HQ, -1)
+  for b in range(2):
+    want = ref_lowrank_logits(q[b], k[b], lengths[b], page, rank)
+    n = lengths[b]
+    np.testing.assert_allclose(logits[b, :, :n], want[:, :n], rtol=1e-4, atol=1e-4)
+
+
+def test_lowrank_full_rank_is_exact():
+  """Rank = page size: every page is reproduced exactly, so the selection is exact top-k."""
+  lengths = [64, 41]
+  k = _keys(13, 2, 64, lengths)
+  state, plan = _lowrank_state(k, lengths, 8, 8, 12)
+  q = np.random.default_rng(14).standard_normal((2, HQ, D)).astype(np.float32)
+  idx = np.asarray(rocketkv.select(jnp.asarray(q), state, plan))
+  for b in range(2):
+    exact = ref.exact_slot_scores(q[b], k[b], lengths[b])
+    valid = np.broadcast_to(np.arange(64) < lengths[b], (HKV, 64))
+    want = [set(np.argsort(-exact[h], kind="stable")[:12].tolist()) for h in range(HKV)]
+    _check_selection(idx[b], want, lambda h: dict(enumerate(exact[h])), valid, 12)
+
+
+@pytest.mark.parametrize("seed,page,rank,top_k,window", [(0, 16, 4, 10, None), (1, 8, 2, 25, None),
+                                                         (2, 16, 3, 9, 30)])
+def test_lowrank_select_matches_reference(seed, page, rank, top_k, window):
+  c = 64
+  lengths = [64, 45]
+  k = _keys(seed + 20, 2, c, lengths)
+  state, plan = _lowrank_state(k, lengths, page, rank, top_k)
+  q = np.random.default_rng(seed + 30).standard_normal((2, HQ, D)).astype(np.float32)
+  idx = np.asarray(rocketkv.select(jnp.asarray(q), state, plan, sliding_window=window))
+  for b in range(2):
+    pos = np.arange(c)
+    valid = pos < lengths[b]
+    if window is not None:
+      valid = valid & (lengths[b] - 1 - pos < window)
+    valid = np.broadcast_to(valid, (HKV, c))
+    want, scores = ref_lowrank_select(q[b], k[b], valid, lengths[b], page, rank, top_k)
+    _check_selection(idx[b], want, lambda h: dict(enumerate(scores[h])), valid, top_k)
+
+
+# --------------------------------------------------------------------------- decode end to end
+_STEP = jax.jit(rocketkv.decode_step, static_argnums=4, static_argnames=("sliding_window",))
+
+
+def _decode(plan, k, v, q, lengths, l, steps, sliding_window=None):
+  """Prefill on each sequence's first lengths[b] tokens (right-padded to l), decode `steps`."""
+  b = k.shape[0]
+  w = plan.window_size
+  qw = np.stack([q[i, :, lengths[i] - w:lengths[i]] for i in range(b)])
+  kp = np.stack([np.where(np.arange(l)[:, None] < lengths[i], k[i, :, :l], 0) for i in range(b)])
+  vp = np.stack([np.where(np.arange(l)[:, None] < lengths[i], v[i, :, :l], 0) for i in range(b)])
+  state = rocketkv.prefill(jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(qw), plan,
+                           lengths=jnp.asarray(lengths, jnp.int32))
+  outs = []
+  for t in range(steps):
+    p = np.asarray(lengths) + t
+    kn = np.stack([k[i, :, p[i]:p[i] + 1] for i in range(b)])
+    vn = np.stack([v[i, :, p[i]:p[i] + 1] for i in range(b)])
+    qn = np.stack([q[i, :, p[i]] for i in range(b)])
+    out, state = _STEP(jnp.asarray(qn), jnp.asarray(kn), jnp.asarray(vn), state, plan,
+                       sliding_window=sliding_window)
+    outs.append(np.asarray(out))
+  return np.stack(outs, 1), state
+
+
+def _ref_decode(stage2, plan, k, v, q, n, steps, sliding_window=None):
+  """One sequence, nothing evicted (prompt_budget >= prompt): per step the reference selection
+  over the cache so far (slot = position), then exact attention over it. [steps, Hq, D]."""
+  out = []
+  for t in range(steps):
+    p = n + t
+    kk, vv = k[:, :p + 1], v[:, :p + 1]
+    pos = np.arange(p + 1)
+    valid = np.ones(p + 1, bool) if sliding_window is None else p - pos < sliding_window
+    valid = np.broadcast_to(valid, (HKV, p + 1))
+    if stage2 == "rerank":
+      sel, _ = ref_rerank_select(q[:, p], kk, valid, plan.chunk_size, plan.r,
+                                 plan.rerank_candidates, plan.top_k)
+    else:
+      sel, _ = ref_lowrank_select(q[:, p], kk, valid, n, plan.lowrank_page_size,
+                                  plan.lowrank_rank, plan.top_k)
+    out.append(ref.attention(q[:, p], kk, vv, [sorted(s) for s in sel]))
+  return np.stack(out)
+
+
+@pytest.mark.parametrize("stage2,window", [("rerank", None), ("lowrank", None),
+                                           ("lowrank", 40), ("rerank", 40)])
+def test_decode_steps_match_reference(stage2, window):
+  """Ragged batch, GQA, `steps` decode steps, vs the reference of each sequence; and the batch
+  gives each sequence what it gets alone."""
+  l, steps = 72, 4
+  lengths = [72, 53]
+  rng = np.random.default_rng(40)
+  k = rng.standard_normal((2, HKV, l + steps, D)).astype(np.float32)
+  k[..., 0] *= 4.0
+  v = rng.standard_normal((2, HKV, l + steps, D)).astype(np.float32)
+  q = rng.standard_normal((2, HQ, l + steps, D)).astype(np.float32)
+  cfg = rocketkv.RocketConfig(token_budget=24, window_size=4, prompt_budget=l, chunk_size=3,
+                              r=6, stage2=stage2, lowrank_page_size=16, lowrank_rank=4)
+  plan = rocketkv.plan(cfg, l, steps, D)
+  assert plan.top_k == 12 and plan.prompt_budget == l
+  got, state = _decode(plan, k, v, q, lengths, l, steps, window)
+  assert isinstance(state, LowRankState) == (stage2 == "lowrank")
+  for b in range(2):
+    want = _ref_decode(stage2, plan, k[b], v[b], q[b], lengths[b], steps, window)
+    np.testing.assert_allclose(got[b], want, rtol=1e-4, atol=1e-4)
+  alone, _ = _decode(plan, k[1:], v[1:], q[1:], lengths[1:], l, steps, window)
+  np.testing.assert_allclose(alone[0], got[1], rtol=1e-6, atol=1e-6)
+
+
+def test_lowrank_multi_turn_keeps_its_summaries():
+  """rocketkv_mt + lowrank: prefill and begin_turn both give a LowRankState view whose prompt
+  slots are the re-evicted cache; decoding over it keeps every valid slot when top_k >= C."""
+  l, t2, steps = 40, 12, 3
+  rng = np.random.default_rng(50)
+  k = rng.standard_normal((1, HKV, l + t2 + 2 * steps, D)).astype(np.float32)
+  q = rng.standard_normal((1, HQ, l + t2 + 2 * steps, D)).astype(np.float32)
+  cfg = rocketkv.RocketConfig(token_budget=512, window_size=4, method="rocketkv_mt",
+                              prompt_budget=1000, stage2="lowrank", lowrank_page_size=8,
+                              lowrank_rank=2)
+  plan = rocketkv.plan(cfg, l, steps, D)
+  state = rocketkv.prefill(jnp.asarray(k[:, :, :l]), jnp.asarray(k[:, :, :l]),
+                           jnp.asarray(q[:, :, l - 4:l]), plan)
+  assert isinstance(state.view, LowRankState) and int(state.view.n_prompt[0]) == l
+  for t in range(steps):
+    kn = jnp.asarray(k[:, :, l + t:l + t + 1])
+    out, state = _STEP(jnp.asarray(q[:, :, l + t]), kn, kn, state, plan)
+  s = l + steps
+  plan2 = rocketkv.plan(cfg, s + t2, steps, D)
+  state = rocketkv.begin_turn(state, jnp.asarray(k[:, :, s:s + t2]), jnp.asarray(k[:, :, s:s + t2]),
+                              jnp.asarray(q[:, :, s + t2 - 4:s + t2]), plan2)
+  assert isinstance(state.view, LowRankState) and int(state.view.n_prompt[0]) == s + t2
+  p = s + t2
+  kn = jnp.asarray(k[:, :, p:p + 1])
+  out, state = _STEP(jnp.asarray(q[:, :, p]), kn, kn, state, plan2)
+  want = ref.attention(q[0, :, p], k[0, :, :p + 1], k[0, :, :p + 1], [np.arange(p + 1)] * HKV)
+  np.testing.assert_allclose(np.asarray(out[0]), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("stage2", ["rerank", "lowrank"])
+def test_generate_with_stage2_keeping_everything_equals_full(stage2):
+  """Through `generate` (jitted while loop, donated state) on a Mistral sliding-window
+  checkpoint: with a budget that keeps and selects every token, the full-KV tokens."""
+  from model_fixtures import hf_checkpoint, random_tokens
+  import rocketkv_jax.models as M
+
+  path, _ = hf_checkpoint("mistral_sw")
+  model = M.load(path)
+  toks = random_tokens(2, 40, seed=5)
+  prompts = [toks[0].tolist(), toks[1, :27].tolist()]
+  full = rocketkv.generate(model, prompts, method="full", max_new_tokens=12, eos_token_ids=())
+  cfg = rocketkv.RocketConfig(token_budget=256, stage2=stage2)
+  res = rocketkv.generate(model, prompts, rocket_config=cfg, max_new_tokens=12, eos_token_ids=())
+  assert res.tokens == full.tokens
+  assert res.stats["plan"].stage2 == stage2
