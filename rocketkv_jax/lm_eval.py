@@ -66,6 +66,7 @@ from lm_eval.api.registry import register_model
 from lm_eval import utils as lm_utils
 
 import rocketkv_jax as rocketkv
+from rocketkv_jax import methods
 from rocketkv_jax.models import llama
 
 logger = logging.getLogger(__name__)
@@ -301,7 +302,7 @@ class RocketKVLM(TemplateLM):
     return out
 
   def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-    if self.method != "full":
+    if methods.get(self.method).uses_budget:  # only an uncompressed method ('full') qualifies
       raise ValueError(f"loglikelihood_rolling needs method='full', got {self.method!r} "
                        "(a compressed cache is built from a prompt; rolling perplexity has none)")
     windows, owner = [], []
