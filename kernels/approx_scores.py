@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from rocketkv_jax._checks import group_size, require, require_rank
-from rocketkv_jax.ops import approx_scale, group_queries, masked_softmax, top_r_dims
+from rocketkv_jax.ops import bound_rows_and_query, group_queries, masked_softmax
 
 from ._util import cdiv, compiler_params, next_pow2, padded_dim
 
@@ -104,11 +104,7 @@ def approx_bounds_scores(q: jax.Array, bounds: jax.Array, length: jax.Array, *,
   rp = padded_dim(r)
 
   qg = group_queries(q, hkv).astype(jnp.float32)
-  ridx, positive = top_r_dims(qg, r)  # [B, Hkv, r], [B, Hkv, D]
-  pos = jnp.take_along_axis(positive, ridx, axis=-1)
-  rows = ridx + d * pos.astype(ridx.dtype)  # [B, Hkv, r] rows of bounds
-  q_r = jnp.take_along_axis(qg, ridx[:, :, None, :], axis=-1)  # [B, Hkv, G, r]
-  q_r = q_r * approx_scale(q_r, qg)[..., None]  # the temperature correction, folded into q_r
+  _, rows, q_r = bound_rows_and_query(qg, r)  # [B, Hkv, r] rows of bounds, [B, Hkv, G, r]
   rows = jnp.pad(rows.astype(jnp.int32), ((0, 0), (0, 0), (0, rp - r)), constant_values=-1)
   q_r = jnp.pad(q_r, ((0, 0), (0, 0), (0, 0), (0, rp - r)))
 

@@ -7,7 +7,8 @@
 - `sink_recent_indices`: StreamingLLM's sink + most recent positions.
 - `top_r_dims`, `approx_scale`: RocketKV / SparQ's choice of the r query dims, the bound each
   reads (kmax where the group-summed q is positive, else kmin), and the softmax temperature
-  correction 1 / sqrt(D * sum|q_r| / sum|q|).
+  correction 1 / sqrt(D * sum|q_r| / sum|q|); `bound_rows_and_query` applies both (the rows of
+  `KVCache.bounds` a score reads and the scaled query on them).
 """
 
 from __future__ import annotations
@@ -76,3 +77,22 @@ def approx_scale(q_r: jax.Array, qg: jax.Array) -> jax.Array:
   """
   frac = jnp.sum(jnp.abs(q_r), axis=-1) / jnp.maximum(jnp.sum(jnp.abs(qg), axis=-1), 1e-30)
   return lax.rsqrt(jnp.float32(qg.shape[-1]) * jnp.where(frac > 0, frac, 1.0))
+
+
+def bound_rows_and_query(qg: jax.Array, r: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The r summary rows one RocketKV approximate score reads, and the scaled query on them.
+
+  Args:
+    qg: [B, Hkv, G, D] float32 queries grouped by KV head.
+    r: dims to keep (static).
+  Returns:
+    (ridx [B, Hkv, r] the kept dims (`top_r_dims`),
+     rows [B, Hkv, r] their rows of `KVCache.bounds`: d + D (kmax) where the group-summed
+       q_d > 0, else d (kmin),
+     q_r [B, Hkv, G, r] q on those dims times `approx_scale`).
+  """
+  ridx, positive = top_r_dims(qg, r)
+  pos = jnp.take_along_axis(positive, ridx, axis=-1)
+  rows = ridx + qg.shape[-1] * pos.astype(ridx.dtype)
+  q_r = jnp.take_along_axis(qg, ridx[:, :, None, :], axis=-1)
+  return ridx, rows, q_r * approx_scale(q_r, qg)[..., None]

@@ -23,8 +23,8 @@ from jax import lax
 from rocketkv_jax import _impl
 from rocketkv_jax._checks import group_size, require, require_rank
 from rocketkv_jax.cache import KVCache, bounds_of, valid_slots
-from rocketkv_jax.ops import (approx_scale, group_queries, masked_softmax, sink_recent_indices,
-                              top_r_dims)
+from rocketkv_jax.ops import (bound_rows_and_query, group_queries, masked_softmax,
+                              sink_recent_indices)
 
 
 def _chunk_valid(length: jax.Array, num_chunks: int, chunk_size: int) -> jax.Array:
@@ -56,14 +56,9 @@ def approx_bounds_scores_xla(q: jax.Array, bounds: jax.Array, length: jax.Array,
   Returns:
     [B, Hkv, NC] float32 group-summed softmax scores; 0 for chunks with no valid slot.
   """
-  d = q.shape[2]
   hkv, nc = bounds.shape[1], bounds.shape[3]
   qg = group_queries(q, hkv).astype(jnp.float32)
-  ridx, positive = top_r_dims(qg, r)  # [B, Hkv, r], [B, Hkv, D]
-  pos = jnp.take_along_axis(positive, ridx, axis=-1)
-  rows = ridx + d * pos.astype(ridx.dtype)  # [B, Hkv, r] rows of bounds
-  q_r = jnp.take_along_axis(qg, ridx[:, :, None, :], axis=-1)  # [B, Hkv, G, r]
-  q_r = q_r * approx_scale(q_r, qg)[..., None]  # the temperature correction, folded into q_r
+  _, rows, q_r = bound_rows_and_query(qg, r)  # [B, Hkv, r] rows of bounds, [B, Hkv, G, r]
   # The gathered rows in fp32 (the convert fuses into the gather): XLA:CPU has no bf16 x bf16
   # -> f32 kernel for every dot shape.
   k_r = jnp.take_along_axis(bounds, rows[..., None], axis=2).astype(jnp.float32)  # [B,Hkv,r,NC]

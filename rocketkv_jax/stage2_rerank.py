@@ -25,7 +25,7 @@ from jax import lax
 
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, valid_slots
-from rocketkv_jax.ops import approx_scale, group_queries, top_r_dims
+from rocketkv_jax.ops import bound_rows_and_query, group_queries
 from rocketkv_jax.select import _group_softmax_sum, approx_scores, check_chunks, top_chunk_slots
 
 
@@ -41,9 +41,8 @@ def top_dims(q: jax.Array, hkv: int, r: int):
      q_r [B, Hkv, G, r] float32 q on those dims times 1 / sqrt(D * sum|q_r| / sum|q|)).
   """
   qg = group_queries(q, hkv).astype(jnp.float32)
-  ridx, _ = top_r_dims(qg, r)
-  q_r = jnp.take_along_axis(qg, ridx[:, :, None, :], axis=-1)
-  return ridx, q_r * approx_scale(q_r, qg)[..., None]
+  ridx, _, q_r = bound_rows_and_query(qg, r)
+  return ridx, q_r
 
 
 def _logits_of_rows(q: jax.Array, rows: jax.Array, r: int):
