@@ -13,9 +13,15 @@ Structure (two compiled programs per (shapes, method, budget); none per step):
      token on device, stopping when every sequence hit EOS or `max_new_tokens`. An optional
      streaming callback receives each step's tokens through an ordered `io_callback`.
 
-Tensor parallelism: load the model with `rocketkv.models.load(path, mesh=make_mesh(tp))`;
-`generate` is unchanged -- GSPMD propagates the head sharding of Q/K/V into the KV caches, so
-each device holds and scores only its KV heads (tested: same tokens as one device).
+Sharding: load the model with `rocketkv.models.load(path, mesh=sharding.make_mesh(tp, dp))`;
+`generate` is unchanged. It finds the mesh on the parameters, splits the batch over "dp" and
+GSPMD propagates the head sharding of Q/K/V into the KV caches, so each device holds and scores
+only its sequences' KV heads (tested: same tokens as one device). The mesh may span processes
+(`models/distributed.py`): every process calls `generate` with the same prompts (SPMD); the
+inputs are global arrays each process places its own slices of, and the outputs the host reads
+(tokens, overflow flags, step count) are replicated on device, so every process returns every
+sequence's tokens; no host sync per step. A batch that "dp" does not divide is padded with
+copies of its last prompt, whose outputs are dropped.
 
 Compilation: both programs are compiled ahead of time (`jit(...).lower(...).compile()`) and
 cached per (static config, plan, argument shapes / shardings); a repeated call with the same
@@ -58,6 +64,7 @@ from rocketkv_jax.cache import cache_overflow
 from rocketkv_jax.config import RocketConfig
 from rocketkv_jax.config import plan as make_plan
 from rocketkv_jax.models import llama
+from rocketkv_jax.models import sharding as sharding_lib
 from rocketkv_jax.models.precision import compute_params
 
 
@@ -88,10 +95,17 @@ def _stream_trampoline(step, tokens, done):
 
 
 # --------------------------------------------------------------------------- programs
-def _prefill_fn(params, tokens, lengths, key, sampler, *, config, plan, block_size, impl):
+def _host_out(x, out_sharding):
+  """An output the host reads: replicated on `out_sharding`'s mesh (every process has it)."""
+  return x if out_sharding is None else jax.lax.with_sharding_constraint(x, out_sharding)
+
+
+def _prefill_fn(params, tokens, lengths, key, sampler, *, config, plan, block_size, impl,
+                out_sharding):
   logits, cache = llama.prefill(params, tokens, lengths, config=config, plan=plan,
                                 block_size=block_size, impl=impl)
-  return sampler(logits, jax.random.fold_in(key, 0)), cache
+  kept = jnp.max(methods.get(plan.method).view(cache[0]).length)  # [] replicated
+  return sampler(logits, jax.random.fold_in(key, 0)), cache, _host_out(kept, out_sharding)
 
 
 def _on_token(step, tok, done):
@@ -100,7 +114,7 @@ def _on_token(step, tok, done):
 
 
 def _decode_fn(params, cache, first, lengths, key, sampler, eos, *, config, plan,
-               max_new_tokens, stream, impl):
+               max_new_tokens, stream, impl, out_sharding):
   # bf16 weights on a CPU without bf16 dots: upcast once here, not in every step of the loop
   params = compute_params(params)
   step_fn = lambda c, t, p: llama.decode_step(params, c, t, p, config=config, plan=plan,
@@ -108,7 +122,8 @@ def _decode_fn(params, cache, first, lengths, key, sampler, eos, *, config, plan
   s = decode_loop.sample_loop(step_fn, cache, first, lengths, eos, key, sampler,
                               max_new_tokens=max_new_tokens,
                               on_token=_on_token if stream else None)
-  return s.tokens, s.step, cache_overflow(s.cache), s.cache
+  return (_host_out(s.tokens, out_sharding), s.step,
+          _host_out(cache_overflow(s.cache), out_sharding), s.cache)
 
 
 _COMPILED: dict[Any, Any] = {}
@@ -245,34 +260,47 @@ def generate(
     raise ValueError(
         f"prompt ({length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
         f"context of {config.max_position_embeddings} tokens")
+  mesh = sharding_lib.mesh_of(model.params)
+  dp = 1 if mesh is None else sharding_lib.axis_size(mesh, "dp")
+  rows = -(-len(ids) // dp) * dp  # padded with copies of the last prompt, dropped at the end
   pad = 0
-  tokens = np.full((len(ids), length), pad, np.int32)
-  for i, p in enumerate(ids):
+  tokens = np.full((rows, length), pad, np.int32)
+  for i, p in enumerate(ids + [ids[-1]] * (rows - len(ids))):
     tokens[i, :len(p)] = p
+  row_lengths = np.concatenate([lengths, np.full(rows - len(ids), lengths[-1], np.int32)])
   if eos_token_ids is None:
     eos_token_ids = decode_loop.default_eos_ids(model)
-  eos = decode_loop.eos_array(eos_token_ids)
+  eos = np.asarray(decode_loop.eos_array(eos_token_ids))
 
   rcfg = rocket_config or RocketConfig(token_budget=token_budget, method=method)
   plan = make_plan(rcfg, length, max_new_tokens, config.head_dim)
   sampler = sampling.sampler(temperature, top_p)
-  key = jax.random.PRNGKey(seed)
-  tokens_j, lengths_j = jnp.asarray(tokens), jnp.asarray(lengths)
+  key = np.asarray(jax.random.PRNGKey(seed))
+  if mesh is None:
+    out_sharding = None
+    tokens_j, lengths_j, key, eos = (jnp.asarray(x) for x in (tokens, row_lengths, key, eos))
+  else:  # global arrays: batch over "dp", the rest replicated; each process puts its slices
+    out_sharding = sharding_lib.replicated(mesh)
+    tokens_j, lengths_j = (sharding_lib.global_array(x, sharding_lib.batch_sharding(mesh, x.ndim))
+                           for x in (tokens, row_lengths))
+    key, eos = (sharding_lib.global_array(x, out_sharding) for x in (key, eos))
+    sampler = jax.tree.map(lambda x: sharding_lib.global_array(x, out_sharding), sampler)
 
   say = _Progress(verbose)
   pre_args = (model.params, tokens_j, lengths_j, key, sampler)
   say.start("compiling prefill")
   pre_exe, pre_compile = _compiled(
       "prefill", _prefill_fn,
-      dict(config=config, plan=plan, block_size=block_size, impl=impl), (), pre_args)
+      dict(config=config, plan=plan, block_size=block_size, impl=impl,
+           out_sharding=out_sharding), (), pre_args)
   say.done(pre_compile)
   say.start(f"prefill of {int(lengths.sum())} tokens")
   t0 = time.perf_counter()
-  first, cache = pre_exe(*pre_args)
+  first, cache, kv_kept = pre_exe(*pre_args)
   first.block_until_ready()
   prefill_s = time.perf_counter() - t0
   say.done(prefill_s)
-  kv_kept = int(np.asarray(method_obj.view(cache[0]).length).max())
+  kv_kept = int(kv_kept)
   kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
 
   dec_args = (model.params, cache, first, lengths_j, key, sampler, eos)
@@ -280,21 +308,21 @@ def generate(
   dec_exe, dec_compile = _compiled(
       "decode", _decode_fn,
       dict(config=config, plan=plan, max_new_tokens=max_new_tokens,
-           stream=stream is not None, impl=impl), (1,), dec_args)
+           stream=stream is not None, impl=impl, out_sharding=out_sharding), (1,), dec_args)
   say.done(dec_compile)
   _STREAM[0] = stream
   try:
     t0 = time.perf_counter()
     out, steps, overflow, _ = dec_exe(*dec_args)
-    out = np.asarray(out)
+    out = np.asarray(out)[:len(ids)]
     decode_s = time.perf_counter() - t0
   finally:
     _STREAM[0] = None
   steps = int(steps)
-  overflow = np.asarray(overflow)
+  overflow = np.asarray(overflow).reshape(-1, rows)[:, :len(ids)]
   if overflow.any():
     raise RuntimeError(
-        f"KV cache overflow for batch rows {np.nonzero(overflow.reshape(-1, len(ids)).any(0))[0]}"
+        f"KV cache overflow for batch rows {np.nonzero(overflow.any(0))[0]}"
         f" (capacity {plan.capacity}); the plan was made for prompt_len={length}, "
         f"max_new_tokens={max_new_tokens}")
 
