@@ -108,7 +108,10 @@ def _prefill_fn(params, tokens, lengths, key, sampler, *, config, plan, block_si
   return sampler(logits, jax.random.fold_in(key, 0)), cache, _host_out(kept, out_sharding)
 
 
-def _on_token(step, tok, done):
+def _on_token(step, tok, done, *, out_sharding):
+  # gathered first: the callback runs on one device, and GSPMD warns about (and rematerialises)
+  # a batch-sharded operand it has to move there itself
+  tok, done = _host_out(tok, out_sharding), _host_out(done, out_sharding)
   io_callback(_stream_trampoline, jax.ShapeDtypeStruct((), jnp.int32), step, tok, done,
               ordered=True)
 
@@ -121,7 +124,8 @@ def _decode_fn(params, cache, first, lengths, key, sampler, eos, *, config, plan
                                               impl=impl)
   s = decode_loop.sample_loop(step_fn, cache, first, lengths, eos, key, sampler,
                               max_new_tokens=max_new_tokens,
-                              on_token=_on_token if stream else None)
+                              on_token=functools.partial(_on_token, out_sharding=out_sharding)
+                              if stream else None)
   return (_host_out(s.tokens, out_sharding), s.step,
           _host_out(cache_overflow(s.cache), out_sharding), s.cache)
 
@@ -232,7 +236,8 @@ def generate(
     seed: sampling seed.
     eos_token_ids: stop ids; default the tokenizer's / config's EOS. Pass () to never stop early.
     chat: wrap each string prompt in the model's chat template (user turn + generation prompt).
-    stream: optional `fn(step, tokens [B], done [B])` called on the host for every step.
+    stream: optional `fn(step, tokens [B], done [B])` called on the host for every step (with
+      several processes, on the process that owns the mesh's first device only).
     rocket_config: a full `rocketkv.RocketConfig` (overrides method / token_budget).
     block_size: prefill attention tile.
     impl: "auto" | "xla" | "pallas" for the core's hot path ("auto": Pallas kernels on GPU).
@@ -301,7 +306,8 @@ def generate(
   prefill_s = time.perf_counter() - t0
   say.done(prefill_s)
   kv_kept = int(kv_kept)
-  kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
+  # the caller's rows only (every row's state has the same size): not the "dp" padding
+  kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache)) * len(ids) // rows
 
   dec_args = (model.params, cache, first, lengths_j, key, sampler, eos)
   say.start("compiling decode")
@@ -310,7 +316,8 @@ def generate(
       dict(config=config, plan=plan, max_new_tokens=max_new_tokens,
            stream=stream is not None, impl=impl, out_sharding=out_sharding), (1,), dec_args)
   say.done(dec_compile)
-  _STREAM[0] = stream
+  n = len(ids)  # the stream sees the caller's rows, not the "dp" padding
+  _STREAM[0] = stream and (lambda step, t, done: stream(step, t[:n], done[:n]))
   try:
     t0 = time.perf_counter()
     out, steps, overflow, _ = dec_exe(*dec_args)

@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 from model_fixtures import random_tokens
 
-TIMEOUT_S = 240
+TIMEOUT_S = 420  # a hang guard: ~40 s on 2 idle cores, far more on a loaded machine
 METHODS = ("rocketkv", "full")
 GEN = dict(token_budget=32, max_new_tokens=12, eos_token_ids=())
 LENGTHS = (48, 33, 40, 21)  # ragged: each dp shard holds a long and a short prompt
@@ -31,8 +31,7 @@ _CHILD = textwrap.dedent("""
     jax.config.update("jax_default_matmul_precision", "highest")
     from rocketkv_jax.models import distributed, sharding
     coordinator, process_id, path, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    distributed.initialize(coordinator, num_processes=2, process_id=process_id,
-                           initialization_timeout=60, heartbeat_timeout_seconds=20)
+    distributed.initialize(coordinator, num_processes=2, process_id=process_id)
     import rocketkv_jax as rocketkv
     assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 4, 2)
     mesh = sharding.make_mesh(tp=2, dp=2)
@@ -83,15 +82,24 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _run_processes(path: str, prompts) -> list[dict]:
-  """Starts the 2 children, waits for both (a failed one stops the other at once)."""
+def _start_processes(path: str, prompts, logs: str) -> list[subprocess.Popen]:
+  """Starts the 2 children, their stdout / stderr in files under `logs` (a pipe nobody reads
+  while they run could fill up and block them)."""
   coordinator = f"127.0.0.1:{_free_port()}"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
   script = _CHILD.format(methods=METHODS, gen=GEN)
-  procs = [subprocess.Popen([sys.executable, "-c", script, coordinator, str(i), path,
-                             json.dumps(prompts)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  procs = []
+  for i in range(2):
+    with open(os.path.join(logs, f"out{i}"), "w") as out, \
+         open(os.path.join(logs, f"err{i}"), "w") as err:
+      procs.append(subprocess.Popen([sys.executable, "-c", script, coordinator, str(i), path,
+                                     json.dumps(prompts)], env=env, stdout=out, stderr=err))
+  return procs
+
+
+def _wait(procs: list[subprocess.Popen], logs: str) -> list[dict]:
+  """Waits for both children (a failed one stops the other at once); their TOKENS lines."""
   deadline = time.monotonic() + TIMEOUT_S
   try:
     while any(p.poll() is None for p in procs):
@@ -103,7 +111,10 @@ def _run_processes(path: str, prompts) -> list[dict]:
     for p in procs:
       if p.poll() is None:
         p.kill()
-  logs = [p.communicate() for p in procs]
+  for p in procs:
+    p.wait()
+  read = lambda name: open(os.path.join(logs, name), errors="replace").read()
+  logs = [(read(f"out{i}"), read(f"err{i}")) for i in range(len(procs))]
   report = "\n".join(f"--- process {i} (exit {p.returncode}) stdout:\n{out[-3000:]}\n"
                      f"--- process {i} stderr:\n{err[-6000:]}"
                      for i, (p, (out, err)) in enumerate(zip(procs, logs)))
@@ -122,11 +133,50 @@ def test_two_processes_dp2_tp2_match_one_device(tmp_path):
   path = str(tmp_path / "tiny_llama")
   _checkpoint(path)
   prompts = [random_tokens(1, n, seed=20 + i)[0].tolist() for i, n in enumerate(LENGTHS)]
-  per_process = _run_processes(path, prompts)
-
-  single = rocketkv.models.load(path)  # one device, no mesh: the reference
+  procs = _start_processes(path, prompts, str(tmp_path))
+  try:  # the reference runs while the children start: one device, no mesh
+    single = rocketkv.models.load(path)
+    want = {m: rocketkv.generate(single, prompts, method=m, **GEN).tokens for m in METHODS}
+  finally:
+    per_process = _wait(procs, str(tmp_path))
   for method in METHODS:
-    want = rocketkv.generate(single, prompts, method=method, **GEN).tokens
-    assert [len(t) for t in want] == [GEN["max_new_tokens"]] * len(prompts)
+    assert [len(t) for t in want[method]] == [GEN["max_new_tokens"]] * len(prompts)
     for i, got in enumerate(per_process):
-      assert got[method] == want, (method, i, got[method], want)
+      assert got[method] == want[method], (method, i, got[method], want[method])
+
+
+def test_bad_mesh_and_process_arguments_are_one_line_value_errors():
+  """Checked before anything is traced (an abstract mesh stands in for missing devices)."""
+  import jax
+  from jax.sharding import AbstractMesh
+  import pytest
+
+  from rocketkv_jax.models import distributed, sharding
+  from rocketkv_jax.models.config import ModelConfig
+
+  n = len(jax.devices())
+  cases = [
+      (lambda: sharding.make_mesh(tp=1, dp=0), "dp must be an int >= 1, got 0"),
+      (lambda: sharding.make_mesh(tp=0), "tp must be an int >= 1, got 0"),
+      (lambda: sharding.make_mesh(tp=n + 1), f"needs more devices than the {n} available"),
+      (lambda: sharding.make_mesh(dp=n + 1), f"dp ({n + 1}) must divide the number of devices"),
+      (lambda: distributed.check_args("localhost", 2, 0), "coordinator must be HOST:PORT"),
+      (lambda: distributed.check_args("localhost:0", 2, 0), "coordinator must be HOST:PORT"),
+      (lambda: distributed.check_args("h:1", 0, 0), "num_processes must be an int >= 1, got 0"),
+      (lambda: distributed.check_args("h:1", 2, 2), "process_id must be in [0, 1]"),
+  ]
+  config = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=8, num_kv_heads=4, head_dim=8)
+  cases += [
+      (lambda: sharding.param_shardings(config, AbstractMesh((2, 3), ("dp", "tp"))),
+       "num_kv_heads (4) must be divisible by the tp mesh size (3)"),
+      (lambda: sharding.param_shardings(config, AbstractMesh((2,), ("x",))),
+       "mesh axes must be ('tp',) or ('dp', 'tp'), got ('x',)"),
+  ]
+  for fn, want in cases:
+    with pytest.raises(ValueError) as e:
+      fn()
+    assert want in str(e.value) and "\n" not in str(e.value), (want, str(e.value))
+  assert distributed.check_args("10.0.0.1:1234", 2, 1) == ("10.0.0.1", 1234)
+  mesh = sharding.make_mesh(tp=1, dp=1)
+  assert mesh.axis_names == ("dp", "tp") and mesh.devices.shape == (1, 1)
