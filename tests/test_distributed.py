@@ -1,6 +1,7 @@
 """Multi-process generation with JAX's distributed runtime: 2 local processes x 2 CPU devices
 (gloo collectives) on a ("dp", "tp") = (2, 2) mesh give every process the same tokens as one
-device in this process, for a ragged batch of 4 prompts with RocketKV and full KV.
+device in this process, for a ragged batch of 4 prompts with RocketKV and full KV, and the
+same `Model.logits`.
 
 Each child runs the same program (SPMD): `distributed.initialize`, `make_mesh(tp=2, dp=2)`,
 `models.load(path, mesh=...)`, `rocketkv.generate(...)`. The checkpoint is written here with
@@ -28,6 +29,7 @@ LENGTHS = (48, 33, 40, 21)  # ragged: each dp shard holds a long and a short pro
 _CHILD = textwrap.dedent("""
     import json, sys
     import jax
+    import numpy as np
     jax.config.update("jax_default_matmul_precision", "highest")
     from rocketkv_jax.models import distributed, sharding
     coordinator, process_id, path, prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -43,6 +45,8 @@ _CHILD = textwrap.dedent("""
     for method in {methods!r}:
       res = rocketkv.generate(model, json.loads(prompts), method=method, **{gen!r})
       out[method] = res.tokens
+    logits = model.logits([p[:{short}] for p in json.loads(prompts)])  # replicated: readable
+    out["logits"] = np.asarray(logits).tolist()
     print("TOKENS " + json.dumps(out), flush=True)
 """)
 
@@ -88,7 +92,7 @@ def _start_processes(path: str, prompts, logs: str) -> list[subprocess.Popen]:
   coordinator = f"127.0.0.1:{_free_port()}"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-  script = _CHILD.format(methods=METHODS, gen=GEN)
+  script = _CHILD.format(methods=METHODS, gen=GEN, short=min(LENGTHS))
   procs = []
   for i in range(2):
     with open(os.path.join(logs, f"out{i}"), "w") as out, \
@@ -137,12 +141,15 @@ def test_two_processes_dp2_tp2_match_one_device(tmp_path):
   try:  # the reference runs while the children start: one device, no mesh
     single = rocketkv.models.load(path)
     want = {m: rocketkv.generate(single, prompts, method=m, **GEN).tokens for m in METHODS}
+    logits = np.asarray(single.logits([p[:min(LENGTHS)] for p in prompts]))
   finally:
     per_process = _wait(procs, str(tmp_path))
   for method in METHODS:
     assert [len(t) for t in want[method]] == [GEN["max_new_tokens"]] * len(prompts)
     for i, got in enumerate(per_process):
       assert got[method] == want[method], (method, i, got[method], want[method])
+  for got in per_process:  # Model.logits on the mesh: the batch over dp, heads over tp
+    np.testing.assert_allclose(np.asarray(got["logits"]), logits, atol=1e-4, rtol=0)
 
 
 def test_bad_mesh_and_process_arguments_are_one_line_value_errors():
