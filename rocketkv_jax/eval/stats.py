@@ -12,9 +12,10 @@ methods agree on most prompts, which they do.
 Intervals are percentile intervals: the (1 - level) / 2 and (1 + level) / 2 quantiles (NumPy's
 default linear interpolation) of `n_boot` resampled means. Everything is NumPy float64 and
 deterministic: the same `seed` gives the same resamples, so a table regenerated from the same
-JSON is identical. A percentile bootstrap of n samples cannot produce a value outside the range
-of the observed means; with few samples (20 per cell here) it is somewhat narrower than exact
-binomial intervals, which is why cells also print n.
+JSON is identical. A percentile bootstrap never leaves the range of the observed scores: a cell
+where every sample scored the same gets a zero-width interval ("0.0 [0.0, 0.0]"), which says
+nothing about certainty, and with few samples (20 per cell here) intervals are somewhat narrower
+than exact binomial ones. That is why tables also print n.
 """
 
 from __future__ import annotations
