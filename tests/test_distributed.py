@@ -21,7 +21,9 @@ from safetensors.numpy import save_file
 
 from model_fixtures import random_tokens
 
-TIMEOUT_S = 420  # a hang guard: ~40 s on 2 idle cores, far more on a loaded machine
+# A hang guard (a deadlocked collective never returns), from the children's start: the test
+# takes ~77 s of CPU in all (3 processes), and far longer than that on a loaded machine.
+TIMEOUT_S = 900
 METHODS = ("rocketkv", "full")
 GEN = dict(token_budget=32, max_new_tokens=12, eos_token_ids=())
 LENGTHS = (48, 33, 40, 21)  # ragged: each dp shard holds a long and a short prompt
@@ -102,9 +104,8 @@ def _start_processes(path: str, prompts, logs: str) -> list[subprocess.Popen]:
   return procs
 
 
-def _wait(procs: list[subprocess.Popen], logs: str) -> list[dict]:
+def _wait(procs: list[subprocess.Popen], logs: str, deadline: float) -> list[dict]:
   """Waits for both children (a failed one stops the other at once); their TOKENS lines."""
-  deadline = time.monotonic() + TIMEOUT_S
   try:
     while any(p.poll() is None for p in procs):
       failed = any(p.poll() not in (None, 0) for p in procs)
@@ -137,13 +138,14 @@ def test_two_processes_dp2_tp2_match_one_device(tmp_path):
   path = str(tmp_path / "tiny_llama")
   _checkpoint(path)
   prompts = [random_tokens(1, n, seed=20 + i)[0].tolist() for i, n in enumerate(LENGTHS)]
+  deadline = time.monotonic() + TIMEOUT_S
   procs = _start_processes(path, prompts, str(tmp_path))
   try:  # the reference runs while the children start: one device, no mesh
     single = rocketkv.models.load(path)
     want = {m: rocketkv.generate(single, prompts, method=m, **GEN).tokens for m in METHODS}
     logits = np.asarray(single.logits([p[:min(LENGTHS)] for p in prompts]))
   finally:
-    per_process = _wait(procs, str(tmp_path))
+    per_process = _wait(procs, str(tmp_path), deadline)
   for method in METHODS:
     assert [len(t) for t in want[method]] == [GEN["max_new_tokens"]] * len(prompts)
     for i, got in enumerate(per_process):
