@@ -21,8 +21,6 @@ never to tune it to a test set.
 
 from __future__ import annotations
 
-import dataclasses
-
 import rocketkv_jax as rocketkv
 from rocketkv_jax.config import STAGE2
 
@@ -74,8 +72,9 @@ def rocket_config(spec: str, token_budget: int, **defaults) -> "rocketkv.RocketC
   base, overrides = parse(spec)
   fields = dict(defaults)
   fields.update({k: (int(token_budget) if v == "B" else v) for k, v in overrides.items()})
-  cfg = rocketkv.RocketConfig(token_budget=int(token_budget), method=base)
-  return dataclasses.replace(cfg, **fields)
+  # One construction with every field: checks that depend on several fields (token_budget >=
+  # window_size) see the values asked for, not the defaults.
+  return rocketkv.RocketConfig(token_budget=int(token_budget), method=base, **fields)
 
 
 def base_method(spec: str) -> str:
