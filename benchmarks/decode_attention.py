@@ -167,7 +167,8 @@ def layer_mean_read_bytes(plan, itemsize: int, num_layers: int, cached_tokens: i
   `cached_tokens`, the others `stage2_read_bytes`."""
   n = min(plan.skip_layers, num_layers)
   dense = 2 * cached_tokens * plan.head_dim * num_kv_heads * itemsize
-  return (n * dense + (num_layers - n) * stage2_read_bytes(plan, itemsize, num_kv_heads)) / num_layers
+  sparse = stage2_read_bytes(plan, itemsize, num_kv_heads)
+  return (n * dense + (num_layers - n) * sparse) / num_layers
 
 
 def stage2_read_bytes(plan, itemsize: int, num_kv_heads: int = HKV) -> int:

@@ -5,7 +5,8 @@ exactly against the full prompt K (softmax per query head). Each (method, budget
 cache from the same prompt pass (`rocketkv.prefill`) and runs its stage-2 selection
 (`rocketkv.select`) for that query; the slots it would read map to prompt positions through
 `cache.pos`. Recall = exact attention mass on those positions (mean over query heads, layers
-and batch rows); a method's dense layers (`Method.dense_layers`) read all of it. `exact_topk` with the same budget is the best any B-token selection can do;
+and batch rows; a method's dense layers, `Method.dense_layers`, read all of it). `exact_topk`
+with the same budget is the best any B-token selection can do;
 "kept" is the mass on every token stage 1 kept (what dense attention over the evicted cache
 sees: SnapKV's whole read, RocketKV's stage-1 upper bound before stage 2).
 """
