@@ -14,10 +14,12 @@ tokens, no full-KV run).
         --budget 512 --prompt-file doc.txt --chat --max-new-tokens 128
 
 The table at the end:
-  KV kept (tokens, MB)  prompt tokens whose K/V stay cached after prefill; the cache's size
-                        (all layers, room for the new tokens and chunk summaries included)
+  KV kept (tokens, MB)  prompt tokens whose K/V stay cached after prefill (per KV head, mean
+                        over layers); the cache's size (all layers, room for the new tokens
+                        and chunk summaries included)
   cache reduction       full-KV cache size / this cache size (memory)
-  KV read per step      tokens whose K/V each decode step attends to (reads, not memory)
+  KV read per step      tokens whose K/V each decode step attends to (reads, not memory; mean
+                        over layers, a dense layer reading its whole cache)
 
 Scaling out (README "Scaling out"): --mesh dp,tp shards the batch over dp and the KV heads
 over tp (tp must divide the model's KV heads); with --coordinator HOST:PORT --num-processes N
@@ -318,11 +320,12 @@ def table(results, full_bytes: int) -> str:
         f"{s['kv_tokens_read']:>18}{s['prefill_s']:>11.2f}{s['decode_tokens_per_s']:>14.1f}"
         f"  {answer[:72]}")
   lines += [
-      "KV kept: prompt tokens whose K/V stay cached after prefill (per layer and KV head), and "
-      "the cache's size in MB (all layers, with room for the new tokens and chunk summaries)",
+      "KV kept: prompt tokens whose K/V stay cached after prefill (per KV head, mean over "
+      "layers), and the cache's size in MB (all layers, with room for the new tokens and chunk "
+      "summaries)",
       "cache reduction: full-KV cache size / this cache size (memory)",
       "KV read per step: tokens whose K/V each decode step attends to (compute and memory "
-      "traffic, not memory held)",
+      "traffic, not memory held; mean over layers, a dense layer reading its whole cache)",
   ]
   return "\n".join(lines)
 

@@ -38,10 +38,12 @@ Decisions where the issue is silent:
     (`rocketkv_jax.sampling`).
   * A cache overflow (an append into a full cache, which the core drops) raises RuntimeError on
     the host after the loop; it cannot happen with a plan made for these lengths.
-  * Stats: `kv_tokens_kept` is the number of valid cache slots per layer after prefill (stage 1),
-    `kv_tokens_read` the tokens attended per decode step (the method's `tokens_read`: top-k for
-    sparse methods, else the whole valid cache), and `compression_ratio` = (prompt + new
-    tokens) / kv_tokens_read.
+  * Stats: `kv_tokens_kept` is the number of valid cache slots per KV head after prefill
+    (stage 1), `kv_tokens_read` the tokens attended per decode step (the method's
+    `layer_reads`: top-k for sparse methods, else the whole valid cache), both the mean over
+    layers (rounded), and `compression_ratio` = (prompt + new tokens) / that mean read. A
+    method's dense layers (Quest's first two, RocketKV's `skip_layers`) count their whole
+    cache; `kv_tokens_kept_per_layer` / `kv_tokens_read_per_layer` give each layer's.
     Times are wall-clock with compilation reported separately (`compile_s`). `kv_cache_bytes` is
     the size of every layer's KV state; `peak_bytes` XLA's memory estimate (arguments + outputs +
     temporaries) of the larger of the two compiled programs.
@@ -61,7 +63,7 @@ import numpy as np
 
 from rocketkv_jax import decode_loop, methods, sampling
 from rocketkv_jax.cache import cache_overflow
-from rocketkv_jax.config import RocketConfig
+from rocketkv_jax.config import RocketConfig, check_num_layers
 from rocketkv_jax.config import plan as make_plan
 from rocketkv_jax.models import llama
 from rocketkv_jax.models import sharding as sharding_lib
@@ -104,7 +106,8 @@ def _prefill_fn(params, tokens, lengths, key, sampler, *, config, plan, block_si
                 out_sharding):
   logits, cache = llama.prefill(params, tokens, lengths, config=config, plan=plan,
                                 block_size=block_size, impl=impl)
-  kept = jnp.max(methods.get(plan.method).view(cache[0]).length)  # [] replicated
+  view = methods.get(plan.method).view
+  kept = jnp.stack([jnp.max(view(c).length) for c in cache])  # [N] per layer, replicated
   return sampler(logits, jax.random.fold_in(key, 0)), cache, _host_out(kept, out_sharding)
 
 
@@ -279,6 +282,7 @@ def generate(
 
   rcfg = rocket_config or RocketConfig(token_budget=token_budget, method=method)
   plan = make_plan(rcfg, length, max_new_tokens, config.head_dim)
+  check_num_layers(plan, config.num_layers)
   sampler = sampling.sampler(temperature, top_p)
   key = np.asarray(jax.random.PRNGKey(seed))
   if mesh is None:
@@ -305,7 +309,7 @@ def generate(
   first.block_until_ready()
   prefill_s = time.perf_counter() - t0
   say.done(prefill_s)
-  kv_kept = int(kv_kept)
+  kept_per_layer = [int(x) for x in np.asarray(kv_kept)]
   # the caller's rows only (every row's state has the same size): not the "dp" padding
   kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache)) * len(ids) // rows
 
@@ -339,7 +343,8 @@ def generate(
     text = [model.tokenizer.decode(t) for t in result_tokens]
 
   new = max(len(t) for t in result_tokens)
-  read = method_obj.tokens_read(plan, kv_kept, steps)
+  read_per_layer = method_obj.layer_reads(plan, kept_per_layer, steps)
+  read = float(np.mean(read_per_layer))
   stats = dict(
       method=plan.method, token_budget=plan.token_budget, batch=len(ids),
       prompt_lengths=lengths.tolist(), new_tokens=[len(t) for t in result_tokens],
@@ -347,8 +352,9 @@ def generate(
       decode_ms_per_token=1e3 * decode_s / max(steps - 1, 1),
       decode_tokens_per_s=(steps - 1) * len(ids) / decode_s if steps > 1 else 0.0,
       compile_s=pre_compile + dec_compile,
-      kv_tokens_full=length + new, kv_tokens_kept=kv_kept, kv_tokens_read=int(read),
-      compression_ratio=(length + new) / max(int(read), 1),
+      kv_tokens_full=length + new, kv_tokens_kept=round(float(np.mean(kept_per_layer))),
+      kv_tokens_read=round(read), compression_ratio=(length + new) / max(read, 1.0),
+      kv_tokens_kept_per_layer=kept_per_layer, kv_tokens_read_per_layer=read_per_layer,
       capacity=plan.capacity, plan=plan, kv_cache_bytes=int(kv_bytes),
       peak_bytes=max(_peak_bytes(pre_exe), _peak_bytes(dec_exe)),
   )

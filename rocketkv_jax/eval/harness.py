@@ -155,11 +155,11 @@ def _extend_all(states, kt, vt, tl):
   return [rocketkv.extend(s, kt[i], vt[i], tl) for i, s in enumerate(states)]
 
 
-@functools.partial(jax.jit, static_argnames=("capacity", "chunk_size"))
-def _grow_all(states, *, capacity, chunk_size):
+@functools.partial(jax.jit, static_argnames=("capacities", "chunk_sizes"))
+def _grow_all(states, *, capacities, chunk_sizes):
   from rocketkv_jax.cache import grow
 
-  return [grow(s, capacity, chunk_size=chunk_size) for s in states]
+  return [grow(s, c, chunk_size=cs) for s, c, cs in zip(states, capacities, chunk_sizes)]
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))
@@ -373,8 +373,13 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
               # chunk_size, r) is the one rocketkv_mt uses for this turn.
               tplan = runner.plan(method, b, p + t * (tpad + mn), mn)
               plans[f"multiturn/{method}/{budget}/turn{t + 1}"] = _plan_dict(tplan)
-              cap = max(tplan.capacity, states[0].capacity + tpad + mn)
-              states = _grow_all(states, capacity=cap, chunk_size=tplan.chunk_size)
+              # A dense layer (skip_layers) keeps its whole cache and no chunk summaries.
+              dense = method_obj.dense_layers(tplan)
+              states = _grow_all(
+                  states, capacities=tuple(max(tplan.capacity, st.capacity + tpad + mn)
+                                           for st in states),
+                  chunk_sizes=tuple(st.chunk_size if i in dense else tplan.chunk_size
+                                    for i, st in enumerate(states)))
             states = _extend_all(states, kt, vt, jax.numpy.asarray(tl))
             seen = states[0].seen
           got, out, steps, cache = runner.continue_decode(

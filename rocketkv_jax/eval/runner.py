@@ -37,6 +37,8 @@ import numpy as np
 
 import rocketkv_jax as rocketkv
 from rocketkv_jax import decode_loop, sampling, teacher_forced
+from rocketkv_jax import methods as methods_lib
+from rocketkv_jax.config import check_num_layers
 from rocketkv_jax.eval import variants
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.precision import compute_params
@@ -98,7 +100,8 @@ class PromptPass:
 @functools.partial(jax.jit, static_argnames=("config", "window", "block_size"))
 def _prompt_pass(params, tokens, lengths, *, config, window, block_size):
   last, outs = llama.prompt_pass(params, tokens, lengths, config=config, window=window,
-                                 block_size=block_size, per_layer=lambda k, v, qw: (k, v, qw))
+                                 block_size=block_size,
+                                 per_layer=lambda k, v, qw, layer: (k, v, qw))
   ks, vs, qws = (jnp.stack(xs) for xs in zip(*outs))
   logits = llama.unembed(params, config, last)
   return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, ks, vs, qws
@@ -114,13 +117,20 @@ def _greedy_loop(params, cache, first, seen, eos, *, config, plan, max_new_token
 
 
 def _build_states(k, v, qw, lengths, plan):
-  """Per-layer method states from the stored prompt K/V (scanned over layers)."""
+  """Per-layer method states from the stored prompt K/V (scanned over layers). The method's
+  dense layers (`layer=i`: every prompt token kept, a state of another shape) are built one by
+  one and replace the scan's (unused) states for those layers."""
   def one(_, xs):
     kk, vv, qq = xs
     return None, rocketkv.prefill(kk, vv, qq, plan, lengths=lengths)
 
+  n = k.shape[0]
   _, states = lax.scan(one, None, (k, v, qw))
-  return _unstack(states, k.shape[0])
+  states = _unstack(states, n)
+  for i in methods_lib.get(plan.method).dense_layers(plan):
+    if i < n:
+      states[i] = rocketkv.prefill(k[i], v[i], qw[i], plan, lengths=lengths, layer=i)
+  return states
 
 
 def _method_decode_impl(params, k, v, qw, lengths, first, eos, gold=None, *, config, plan,
@@ -191,8 +201,10 @@ class Runner:
                                   page_size=self.quest_page_size)
 
   def plan(self, method: str, token_budget: int, prompt_len: int, max_new_tokens: int):
-    return rocketkv.plan(self.rocket_config(method, token_budget), prompt_len, max_new_tokens,
+    plan = rocketkv.plan(self.rocket_config(method, token_budget), prompt_len, max_new_tokens,
                          self.config.head_dim)
+    check_num_layers(plan, self.config.num_layers)
+    return plan
 
   def strip(self, out: np.ndarray, steps: int) -> list[list[int]]:
     """Rows of generated ids cut at the first EOS (EOS dropped), as `rocketkv.generate`."""
