@@ -1,7 +1,7 @@
 """Cross-check: our harness vs lm-evaluation-harness (through the "rocketkv" backend), sample by
 sample, on the same exported synthetic samples.
 
-    python examples/lm_eval_crosscheck.py --task niah_single --lengths 2048 --samples 10 \\
+    python examples/lm_eval_crosscheck.py --task niah_single --lengths 2048 4096 --samples 20 \\
         --budget 256 --batch-size 5 --out results/lm_eval_crosscheck
 
 For each length: `rocketkv_jax.lm_eval export` writes the samples as an lm-eval task; lm-eval's
@@ -9,6 +9,11 @@ For each length: `rocketkv_jax.lm_eval export` writes the samples as an lm-eval 
 EOS, the task's max_gen_toks); our harness (`harness.run_sweep`) runs the same (seed, samples)
 with the same methods and batch size. Writes <out>/crosscheck.json (every prediction of both)
 and <out>/crosscheck.md (per-sample agreement table).
+
+--plan harness (default) gives the backend `pad_to=` the harness's padded prompt length, so
+both plan the budget split for the same length (the harness plans for the task's nominal
+length, not for each batch's longest prompt); --plan batch leaves the backend's default (each
+batch planned for its longest context), which can keep a token or so fewer per head.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ def main(argv=None) -> int:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--budget", type=int, default=256)
   p.add_argument("--batch-size", type=int, default=5)
+  p.add_argument("--plan", choices=("harness", "batch"), default="harness")
   p.add_argument("--out", required=True)
   args = p.parse_args(argv)
 
@@ -51,9 +57,11 @@ def main(argv=None) -> int:
                                     args.seed)
     tm = TaskManager(include_path=task_dir, include_defaults=False)
     theirs = {}
+    max_new = harness.max_new_tokens_for(harness.SweepConfig(), args.task)
+    pad_to = harness.padded_len(model, length, max_new) if args.plan == "harness" else None
     for method, budget in configs:
       lm = backend.RocketKVLM(pretrained=model, method=method, token_budget=budget or 256,
-                              batch_size=args.batch_size)
+                              batch_size=args.batch_size, pad_to=pad_to)
       t0 = time.perf_counter()
       out = lm_eval.simple_evaluate(model=lm, tasks=[name], task_manager=tm, log_samples=True)
       timing[f"lm_eval/{method}/{length}"] = time.perf_counter() - t0
@@ -61,7 +69,8 @@ def main(argv=None) -> int:
         theirs[(method, s["doc"]["index"])] = (s["resps"][0][0], s["score"])
     cfg = harness.SweepConfig(tasks=(args.task,), context_lengths=(length,),
                               methods=("full", "rocketkv"), budgets=(args.budget,),
-                              samples=args.samples, seed=args.seed, batch_size=args.batch_size)
+                              samples=args.samples, seed=args.seed, batch_size=args.batch_size,
+                              gold_score=False)
     t0 = time.perf_counter()
     ours = harness.run_sweep(model, cfg, progress=False)
     timing[f"harness/{length}"] = time.perf_counter() - t0
@@ -73,7 +82,8 @@ def main(argv=None) -> int:
                        same_text=r["prediction"] == pred))
   with open(os.path.join(args.out, "crosscheck.json"), "w") as f:
     json.dump(dict(args=vars(args), rows=rows, timing_s=timing), f, indent=1)
-  lines = ["| length | method | samples | same text | harness score | lm-eval score |",
+  lines = [f"Plan: {args.plan} (see the script's docstring).", "",
+           "| length | method | samples | same text | harness score | lm-eval score |",
            "|---|---|---|---|---|---|"]
   for length in args.lengths:
     for method, budget in configs:

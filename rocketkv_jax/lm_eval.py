@@ -27,6 +27,10 @@ model_args (lm-eval's `key=value,key=value`; model_args win over the CLI's --bat
   pad_multiple loglikelihood only: round padded lengths up to a multiple (default 64) so that
                many request lengths share compiled programs; the budget split is planned for
                the rounded lengths (exact: pad_multiple=1).
+  pad_to       generate_until only: pad every batch to at least this many context tokens and
+               plan the budget split for that length (`rocketkv.generate(pad_to=)`), as our
+               harness plans for its nominal context length; batches then share compiled
+               programs. Default: each batch is planned for its longest context.
   seed         sampling seed (default 0; batch i of a call uses seed + i).
   impl         "auto" | "xla" | "pallas" (the core's hot path).
 
@@ -73,7 +77,7 @@ logger = logging.getLogger(__name__)
 
 # The backend's own model_args (besides RocketConfig's fields) and their defaults.
 _OWN_ARGS = dict(pretrained=None, dtype="float32", batch_size=1, max_length=None, chat=False,
-                 pad_multiple=64, seed=0, impl="auto")
+                 pad_multiple=64, pad_to=None, seed=0, impl="auto")
 # Passed by lm-eval itself (simple_evaluate / CLI); accepted and ignored.
 _IGNORED_ARGS = ("device", "max_batch_size")
 _GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_p", "seed")
@@ -180,6 +184,9 @@ class RocketKVLM(TemplateLM):
     self.batch_size = _coerce("batch_size", bs, int)
     self.pad_multiple = _coerce("pad_multiple", own["pad_multiple"], int)
     self.seed = _coerce("seed", own["seed"], int)
+    self.pad_to = None if own["pad_to"] is None else _coerce("pad_to", own["pad_to"], int | None)
+    if self.pad_to is not None and self.pad_to < 1:
+      raise ValueError(f"pad_to must be None or an int >= 1, got {self.pad_to!r}")
     for name, val in (("batch_size", self.batch_size), ("pad_multiple", self.pad_multiple)):
       if val < 1:
         raise ValueError(f"{name} must be an int >= 1, got {val!r}")
@@ -365,7 +372,7 @@ class RocketKVLM(TemplateLM):
         res = rocketkv.generate(
             self.model, [ids[i] for i in rows], rocket_config=self.rocket_config,
             max_new_tokens=max_new, temperature=s["temperature"], top_p=s["top_p"],
-            seed=s["seed"] + batch_no, impl=self.impl)
+            seed=s["seed"] + batch_no, impl=self.impl, pad_to=self.pad_to)
         batch_no += 1
         for i, text in zip(rows, res.text):
           text = cut_at_stop(text, settings[i]["until"])

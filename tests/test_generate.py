@@ -1,6 +1,8 @@
 """`rocketkv.generate`: greedy parity with transformers' `generate`, every KV method, sampling,
 EOS, streaming, no recompilation, and the real SmolLM2 end to end."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -122,6 +124,35 @@ def test_second_call_does_not_recompile():
   first = rocketkv.generate(model, prompts, **kw)
   again = rocketkv.generate(model, prompts, **kw)
   assert again.stats["compile_s"] == 0.0 and again.tokens == first.tokens
+
+
+def test_pad_to_plans_for_the_padded_length_and_padding_changes_no_tokens():
+  """pad_to=64 plans the split for 64-token prompts; the same split given as explicit overrides
+  to an unpadded call gives the same tokens, and other lengths under 64 reuse the programs."""
+  path, _ = hf_checkpoint("llama31")
+  model = M.load(path)
+  prompts = _prompts()  # 40 and 27 tokens
+  cfg = rocketkv.RocketConfig(token_budget=16, window_size=8)
+  kw = dict(rocket_config=cfg, max_new_tokens=6, eos_token_ids=())
+  padded = rocketkv.generate(model, prompts, pad_to=64, **kw)
+  plan = padded.stats["plan"]
+  d = model.config.head_dim
+  assert plan == rocketkv.plan(cfg, 64, 6, d)
+  assert plan != rocketkv.plan(cfg, 40, 6, d)
+  assert 27 < plan.prompt_budget < 40  # the 40-token prompt loses tokens to stage 1
+  assert padded.stats["kv_tokens_full"] == 40 + 6  # stats count the real prompt tokens
+  same_split = dataclasses.replace(
+      cfg, capacity=plan.capacity, prompt_budget=plan.prompt_budget, top_k=plan.top_k,
+      chunk_size=plan.chunk_size, r=plan.r)
+  assert dataclasses.replace(rocketkv.plan(same_split, 40, 6, d), prompt_len=64) == plan
+  unpadded = rocketkv.generate(model, prompts, **dict(kw, rocket_config=same_split))
+  assert padded.tokens == unpadded.tokens
+  shorter = rocketkv.generate(model, [p[:33] for p in prompts], pad_to=64, **kw)
+  assert shorter.stats["compile_s"] == 0.0 and shorter.stats["plan"] == plan
+  floor = rocketkv.generate(model, prompts, pad_to=8, **kw)  # a floor: plans for 40
+  assert floor.stats["plan"] == rocketkv.plan(cfg, 40, 6, d)
+  with pytest.raises(ValueError, match="pad_to must be None or an int >= 1"):
+    rocketkv.generate(model, prompts, pad_to=0, **kw)
 
 
 def test_bad_arguments_raise_value_errors():

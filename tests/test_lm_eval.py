@@ -139,6 +139,20 @@ def test_generate_until_equals_rocketkv_generate_and_cuts_at_stop_strings():
   assert all(len(g) <= 2 for g in got)
 
 
+def test_generate_until_pad_to_plans_as_generate_pad_to():
+  model = tiny_model()
+  ids = [model.tokenizer.encode(p) for p in PROMPTS]
+  want = rocketkv.generate(model, ids, max_new_tokens=MAX_GEN, pad_to=256, **GEN)
+  default = rocketkv.generate(model, ids, max_new_tokens=MAX_GEN, **GEN)
+  assert want.stats["plan"] != default.stats["plan"]
+  lm = _lm(batch_size=2, pad_to=256, **GEN)
+  got = lm.generate_until([_req("generate_until", (p, dict(max_gen_toks=MAX_GEN, until=[])), i)
+                           for i, p in enumerate(PROMPTS)])
+  assert got == want.text
+  with pytest.raises(ValueError, match="pad_to must be None or an int >= 1"):
+    _lm(pad_to=0)
+
+
 def test_cut_at_stop():
   assert backend.cut_at_stop("abc\n\ndef", ["\n\n"]) == "abc"
   assert backend.cut_at_stop("abcdef", ["ef", "cd", ""]) == "ab"
