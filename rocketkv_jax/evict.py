@@ -18,7 +18,7 @@ from rocketkv_jax._checks import (group_size, require, require_float, require_in
                                   require_rank)
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, from_kept
-from rocketkv_jax.ops import gather_rows, group_queries, masked_softmax, sink_recent_indices
+from rocketkv_jax.ops import gather_rows, group_queries, sink_recent_indices
 
 
 def window_scores_xla(q_window: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -30,17 +30,27 @@ def window_scores_xla(q_window: jax.Array, k: jax.Array, lengths: jax.Array) -> 
     lengths: [B] valid prompt lengths.
   Returns:
     [B, Hkv, L] float32; 0 at padding.
+
+  Layout (XLA:CPU): the G*W window queries of a KV head are the columns of one `[L, G*W]`
+  logits matrix (the long operand on the left of the product, as the decode step's products),
+  each column's softmax runs down L, and the sum over the columns of the probabilities is one
+  product with the columns' 1 / normaliser, exp(s - max) @ (1 / Z), instead of writing the
+  normalised probabilities and reducing them over two leading axes.
   """
-  w, d = q_window.shape[2:]
-  l = k.shape[2]
-  q = group_queries(q_window, k.shape[1])
-  logits = jnp.einsum("bhgwd,bhld->bhgwl", q, k, preferred_element_type=jnp.float32)
+  b, hq, w, d = q_window.shape
+  hkv, l = k.shape[1], k.shape[2]
+  g = hq // hkv
+  q = group_queries(q_window, hkv).reshape(b, hkv, g * w, d)  # column n = (g, w) = n // W, n % W
+  logits = jnp.einsum("bhld,bhnd->bhln", k, q, preferred_element_type=jnp.float32)
   logits = logits * (1.0 / jnp.sqrt(jnp.float32(d)))
-  qpos = lengths[:, None] - w + jnp.arange(w)  # [B, W]
-  kpos = jnp.arange(l)
-  mask = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < lengths[:, None, None])
-  p = masked_softmax(logits, mask[:, None, None])  # mask [B, 1, 1, W, L]
-  return jnp.sum(p, axis=(2, 3))
+  qpos = jnp.tile(lengths[:, None] - w + jnp.arange(w), (1, g))  # [B, G*W]
+  kpos = jnp.arange(l)[None, :, None]
+  mask = (kpos <= qpos[:, None, :]) & (kpos < lengths[:, None, None])  # [B, L, G*W]
+  logits = jnp.where(mask[:, None], logits, -jnp.inf)
+  mx = jnp.max(logits, axis=2, keepdims=True)  # [B, Hkv, 1, G*W]
+  e = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))  # 0 where masked
+  inv = 1.0 / jnp.maximum(jnp.sum(e, axis=2), 1e-30)  # [B, Hkv, G*W]; a column with no key: 0s
+  return jnp.einsum("bhln,bhn->bhl", e, inv)
 
 
 def pooled_candidate_scores(scores: jax.Array, lengths: jax.Array, window: int,
