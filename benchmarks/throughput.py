@@ -1,7 +1,8 @@
 """Batched long-context throughput and memory: our full KV, SnapKV and RocketKV against
 transformers' own `generate` (full KV) on the same ragged prompt batches.
 
-    python benchmarks/throughput.py                                   # the whole grid (hours)
+    python benchmarks/throughput.py                                   # 4K and 8K, batch 1/4/8
+    python benchmarks/throughput.py --lengths 4096 --batches 16       # batch 16 where it fits
     python benchmarks/throughput.py --lengths 1024 --batches 1,4 --new-tokens 16 \\
         --methods full,rocketkv,transformers --budgets 256               # a smoke run
     python benchmarks/throughput.py --profile-prefill --lengths 2048 --batches 4
@@ -27,28 +28,40 @@ Reported per row:
   * decode tok/s: generated tokens of all sequences per second over the N-1 decode steps
     after the prompt pass (ours: `stats["decode_tokens_per_s"]`; transformers: between its
     first and last logits processor calls, which bracket the same N-1 forward passes).
+    `decode ms/step` is the same wall time per step, `decode CPU ms/step` the process's CPU
+    time per step.
   * compile s: ours, prefill + decode compilation (never in the times above).
   * KV MB: the KV state kept for decoding (ours: every layer's state with metadata and room
     for the new tokens; transformers: its DynamicCache after the last step).
   * peak RSS MB prefill / decode / process: the child's VmHWM (/proc/self/status) over that
-    phase. The high-water mark is reset at each phase boundary (write "5" to
-    /proc/self/clear_refs), so the decode peak excludes the prompt pass and the compiles;
+    phase. At each phase boundary freed heap pages go back to the OS (glibc `malloc_trim`)
+    and the high-water mark is reset (write "5" to /proc/self/clear_refs), so the decode peak
+    excludes the prompt pass and the compiles and starts from the memory still in use;
     "process" is the largest of all phases, loading and compiling included. Ours: phases are
     cut where `rocketkv.generate` compiles (this script wraps its private `_compiled`, the one
     call between prefill and decode). Where the reset is refused, every peak is cumulative and
-    the table says so.
-Then the issue's targets (issue #16) as ratios of rows of this run, each marked met / NOT met,
-for every (length, dtype, batch) with the rows they need.
+    the header says so.
+Then the issue's targets (issue #16) as ratios of rows of this run, each marked met / NOT met
+by wall time with the CPU-time ratio beside it, for every (length, dtype, batch) that has the
+rows a target needs.
+
+transformers loads its own dequantisation of the GGUF file (`gguf_file=`; the weights ours
+loads, as the parity tests check), converted once per run into a temporary safetensors
+directory that every transformers row loads: its GGUF path takes minutes per load.
 
 Output: `throughput.md` and `throughput.json` in --out (default a new git-ignored
 `runs/throughput-<timestamp>/`; a folder holding files takes --overwrite), rewritten after
 every row so an interrupted grid keeps what it measured.
 
---profile-prefill: per (length, batch, dtype), the prompt pass of `full` and of `rocketkv` at
-the first budget, compiled as `generate` compiles them, timed (best of --profile-calls) and
-traced with XLA:CPU's per-op trace events (`--xla_cpu_enable_xprof_traceme`). Every op is
-attributed to the source line its HLO metadata names, and ops are summed per line; it prints
-the lines that cost more in rocketkv's prompt pass than in full's (stage 1, per op).
+--profile-prefill: per (length, batch, dtype), full and rocketkv at the first budget, each
+compiled once, run once to warm up, then --profile-calls calls traced with XLA:CPU's per-op
+trace events (`--xla_cpu_enable_xprof_traceme`): (1) the whole prompt pass
+(`llama.prefill`, skipped by --layer-only) and (2) one layer's KV-state build
+(`rocketkv.prefill` on random K/V of the model's shapes: for rocketkv that is stage 1). Every
+op is attributed to the source lines of its HLO metadata (its stack frame and the caller's),
+ops are summed per source, and it prints wall and CPU time per call and the sources whose cost
+differs most between the two methods. Trace durations are wall time: on a loaded machine
+compare them with each other, and trust the CPU time per call for totals.
 """
 
 from __future__ import annotations
@@ -581,7 +594,8 @@ def _parser() -> argparse.ArgumentParser:
                  help="HF directory or .gguf (default: the embedded SmolLM2-135M)")
   p.add_argument("--lengths", default="4096,8000",
                  help="longest prompt per batch, comma-separated (8000 + 64 new fit in 8192)")
-  p.add_argument("--batches", default="1,4,8,16")
+  p.add_argument("--batches", default="1,4,8",
+                 help="batch sizes (16 at 8000 tokens: ~15 GB for our full-KV prompt pass)")
   p.add_argument("--methods", default=",".join(METHODS), help=f"any of {','.join(METHODS)}")
   p.add_argument("--budgets", default="256,512", help="B for snapkv and rocketkv")
   p.add_argument("--dtypes", default="float32", help="float32 and/or bfloat16")
