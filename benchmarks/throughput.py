@@ -284,6 +284,11 @@ def _convert(spec: dict) -> dict:
 
   directory, name = os.path.split(spec["model"])
   model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+  # The weights are plain dequantised fp32 tensors (nn.Linear); only the GGUF quantizer object
+  # refuses to save them. Without it and its config entry, the copy is an ordinary checkpoint.
+  model.hf_quantizer = None
+  if hasattr(model.config, "quantization_config"):
+    del model.config.quantization_config
   model.save_pretrained(spec["to"], safe_serialization=True)
   return dict(path=spec["to"])
 
