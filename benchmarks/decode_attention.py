@@ -21,6 +21,11 @@ as a ratio to minmax (issue #13's targets: <= 1.3x the time, <= 1.2x the bytes):
 
     python benchmarks/decode_attention.py --contexts 32768 --budgets 256 --dtypes bfloat16 \
         --stage2 minmax rerank lowrank
+
+With `--skip-layers N` (`RocketConfig.skip_layers`, an ablation) the first N of `--num-layers`
+layers (default 32, Llama-3.1-8B) attend densely to their whole cache: the table adds the step
+time and bytes per layer averaged over the model's layers, N dense steps and the rest
+RocketKV's, from the two steps measured above (`layer_mean_read_bytes`).
 """
 
 from __future__ import annotations
@@ -134,10 +139,12 @@ def bench_dense(context, dtype, repeats):
   return t, nbytes, _read_pass_time(nbytes, dtype, repeats)
 
 
-def bench_rocketkv(context, budget, dtype, repeats):
-  """Median ms of `rocketkv.decode_step` on the stage-1 cache planned for `context`."""
+def bench_rocketkv(context, budget, dtype, repeats, skip_layers=0):
+  """Median ms of `rocketkv.decode_step` on the stage-1 cache planned for `context` (a layer
+  past the `skip_layers` dense ones)."""
   q, kn, vn = _inputs(dtype)
-  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=budget), context - 100, 100, D)
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=budget, skip_layers=skip_layers),
+                       context - 100, 100, D)
   k1, k2 = jax.random.split(jax.random.PRNGKey(2))
   kc = jax.random.normal(k1, (1, HKV, plan.prompt_budget, D), dtype)
   vc = jax.random.normal(k2, (1, HKV, plan.prompt_budget, D), dtype)
@@ -153,8 +160,20 @@ def bench_rocketkv(context, budget, dtype, repeats):
   return t, nbytes, _read_pass_time(nbytes, dtype, repeats), plan
 
 
+def layer_mean_read_bytes(plan, itemsize: int, num_layers: int, cached_tokens: int,
+                          num_kv_heads: int = HKV) -> float:
+  """Bytes one decode step reads per layer, averaged over a model's `num_layers` layers (per
+  batch row): the first `plan.skip_layers` are dense and read the K and V of all
+  `cached_tokens`, the others `stage2_read_bytes`."""
+  n = min(plan.skip_layers, num_layers)
+  dense = 2 * cached_tokens * plan.head_dim * num_kv_heads * itemsize
+  sparse = stage2_read_bytes(plan, itemsize, num_kv_heads)
+  return (n * dense + (num_layers - n) * sparse) / num_layers
+
+
 def stage2_read_bytes(plan, itemsize: int, num_kv_heads: int = HKV) -> int:
-  """Bytes one decode step of `plan` must read (all layers alike: one layer's, per batch row).
+  """Bytes one decode step of `plan` must read in one of its sparse layers (per batch row; a
+  dense layer of `plan.skip_layers` reads its whole cache: `layer_mean_read_bytes`).
 
   Per KV head:
     minmax:  NC * r bounds (one of kmin / kmax per dim) + top_k K and V rows;
@@ -250,26 +269,41 @@ def main():
   ap.add_argument("--steps", type=int, default=14, help="--stage2: steps per round")
   ap.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas"],
                   help="--stage2: rocketkv.decode_step's impl")
+  ap.add_argument("--skip-layers", type=int, default=0,
+                  help="RocketConfig.skip_layers: add the per-layer mean over --num-layers")
+  ap.add_argument("--num-layers", type=int, default=32)
   args = ap.parse_args()
+  if not 0 <= args.skip_layers <= args.num_layers:
+    ap.error("--skip-layers must be in [0, --num-layers]")
+  if args.skip_layers and args.stage2:
+    ap.error("--skip-layers applies to the dense comparison table, not --stage2")
   if args.stage2:
     if args.rounds * args.steps + 1 > 100:
       ap.error("--rounds * --steps + 1 must be <= 100 (the plan's free slots)")
     main_stage2(args)
     return
   print(f"backend={jax.default_backend()} devices={jax.devices()}")
+  n_skip, n_layers = args.skip_layers, args.num_layers
+  skip_head = (f" skip {n_skip}/{n_layers}: layer-mean ms | layer-mean MiB | speedup |"
+               if n_skip else "")
   print("| dtype | context | budget | C / chunk / r / top_k | full ms | rocketkv ms | speedup "
-        "| full MiB | rkv MiB | full floor ms | rkv floor ms | rkv / floor |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "| full MiB | rkv MiB | full floor ms | rkv floor ms | rkv / floor |" + skip_head)
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" * 3 if n_skip else ""))
   for dt in args.dtypes:
     dtype = jnp.dtype(dt)
     for ctx in args.contexts:
       t_full, b_full, f_full = bench_dense(ctx, dtype, args.repeats)
       for b in args.budgets:
-        t_rkv, b_rkv, f_rkv, p = bench_rocketkv(ctx, b, dtype, args.repeats)
+        t_rkv, b_rkv, f_rkv, p = bench_rocketkv(ctx, b, dtype, args.repeats, n_skip)
+        skip = ""
+        if n_skip:  # N dense layers (the dense step's time and bytes) + the rest RocketKV's
+          t_mean = (n_skip * t_full + (n_layers - n_skip) * t_rkv) / n_layers
+          b_mean = layer_mean_read_bytes(p, dtype.itemsize, n_layers, ctx)
+          skip = f" {t_mean * 1e3:.2f} | {b_mean / 2**20:.2f} | {t_full / t_mean:.1f}x |"
         print(f"| {dtype.name} | {ctx // 1024}K | {b} | {p.capacity} / {p.chunk_size} / {p.r} / "
               f"{p.top_k} | {t_full * 1e3:.1f} | {t_rkv * 1e3:.2f} | {t_full / t_rkv:.0f}x | "
               f"{b_full / 2**20:.0f} | {b_rkv / 2**20:.2f} | {f_full * 1e3:.1f} | "
-              f"{f_rkv * 1e3:.3f} | {t_rkv / f_rkv:.0f}x |", flush=True)
+              f"{f_rkv * 1e3:.3f} | {t_rkv / f_rkv:.0f}x |" + skip, flush=True)
 
 
 if __name__ == "__main__":

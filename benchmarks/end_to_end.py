@@ -3,6 +3,10 @@ with transformers (PyTorch CPU, full KV, same dtype) on the same prompt as the o
 
     python benchmarks/end_to_end.py                       # 2K, 4K, 8K prompts, fp32 and bf16
     python benchmarks/end_to_end.py --lengths 2048,4096 --out benchmarks/end_to_end_results.md
+    python benchmarks/end_to_end.py --lengths 4096 --skip-layers 2   # + rocketkv:skip_layers=2
+
+`--skip-layers N` adds, at each budget, RocketKV with `RocketConfig.skip_layers=N` (an ablation:
+the first N layers keep their whole cache and attend densely), labelled `rocketkv:skip_layers=N`.
 
 For each prompt length and dtype: our full KV, RocketKV at each budget, then transformers in a
 subprocess (so its peak RSS is its own). Then the bf16 targets of issue #15 as ratios of rows
@@ -13,6 +17,8 @@ none, XLA:CPU runs bf16 dots as fp32 and our bf16 computes in fp32 with bf16 wei
 Reported:
   * prefill s: the prompt pass (ours: after compilation, which is listed separately).
   * decode ms/tok: mean over `--new-tokens` greedy steps (EOS ignored).
+  * KV kept (tokens): prompt tokens cached per KV head after prefill, the mean over layers
+    (`generate`'s `kv_tokens_kept`; dense layers, e.g. `--skip-layers`, keep the whole prompt).
   * KV MB: the KV cache kept for decoding (ours: every layer's state incl. metadata;
     transformers: its DynamicCache at the end).
   * floor rows: the prompt pass's matmul FLOPs divided by this machine's fp32 matmul rate
@@ -114,6 +120,8 @@ def main(argv=None):
   p.add_argument("--budgets", default="128,256,512")
   p.add_argument("--dtypes", default="float32,bfloat16")
   p.add_argument("--new-tokens", type=int, default=32)
+  p.add_argument("--skip-layers", type=int, default=0,
+                 help="also run rocketkv with RocketConfig.skip_layers=N at each budget")
   p.add_argument("--no-transformers", action="store_true")
   p.add_argument("--out", default=None, help="also write the markdown table here")
   p.add_argument("--hf-worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -159,8 +167,14 @@ def main(argv=None):
       model = models[dt]
       ids = _prompt_ids(model.tokenizer, n)
       runs = [("full", 0)] + [("rocketkv", int(b)) for b in args.budgets.split(",")]
+      if args.skip_layers:
+        runs += [(f"rocketkv:skip_layers={args.skip_layers}", int(b))
+                 for b in args.budgets.split(",")]
       for method, budget in runs:
-        res = rocketkv.generate(model, [ids], method=method, token_budget=budget or 256,
+        name, _, skip = method.partition(":skip_layers=")
+        cfg = rocketkv.RocketConfig(token_budget=budget or 256, method=name,
+                                    skip_layers=int(skip or 0))
+        res = rocketkv.generate(model, [ids], rocket_config=cfg,
                                 max_new_tokens=args.new_tokens, eos_token_ids=())
         s = res.stats
         got[(n, "ours", dt, method, budget)] = (s["prefill_s"], s["decode_ms_per_token"])

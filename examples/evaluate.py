@@ -102,6 +102,8 @@ def main(argv=None):
                  help="allow writing into an --out folder that already holds files")
   p.add_argument("--cache-dir", default=None, help="persistent XLA compilation cache")
   p.add_argument("--no-progress", action="store_true")
+  p.add_argument("--no-gold-score", action="store_true",
+                 help="skip the teacher-forced gold-answer score (gold_* record fields)")
   p.add_argument("--diagnostics", action="store_true",
                  help="also report each method's attention recall (selection quality)")
   p.add_argument("--diagnostics-only", action="store_true",
@@ -138,7 +140,8 @@ def main(argv=None):
       batch_size=a.batch_size,
       max_new_tokens=a.max_new_tokens, quest_page_size=a.quest_page_size, data_dir=a.data_dir,
       datasets=tuple(a.datasets) if a.datasets else None, multiturn_methods=tuple(a.mt_methods),
-      diagnostics=a.diagnostics or a.diagnostics_only, decode=not a.diagnostics_only)
+      diagnostics=a.diagnostics or a.diagnostics_only, decode=not a.diagnostics_only,
+      gold_score=not a.no_gold_score)
   os.makedirs(a.out, exist_ok=True)
   partial_path = os.path.join(a.out, f"{a.name}.partial.json")
 

@@ -14,10 +14,25 @@ tokens, no full-KV run).
         --budget 512 --prompt-file doc.txt --chat --max-new-tokens 128
 
 The table at the end:
-  KV kept (tokens, MB)  prompt tokens whose K/V stay cached after prefill; the cache's size
-                        (all layers, room for the new tokens and chunk summaries included)
+  KV kept (tokens, MB)  prompt tokens whose K/V stay cached after prefill (per KV head, mean
+                        over layers); the cache's size (all layers, room for the new tokens
+                        and chunk summaries included)
   cache reduction       full-KV cache size / this cache size (memory)
-  KV read per step      tokens whose K/V each decode step attends to (reads, not memory)
+  KV read per step      tokens whose K/V each decode step attends to (reads, not memory; mean
+                        over layers, a dense layer reading its whole cache)
+
+Scaling out (README "Scaling out"): --mesh dp,tp shards the batch over dp and the KV heads
+over tp (tp must divide the model's KV heads); with --coordinator HOST:PORT --num-processes N
+--process-id I it runs as one of N processes (JAX's distributed runtime, gloo on CPU), each
+started with the same arguments but its own --process-id. Only process 0 prints (the status
+lines, the streamed answer and the table); the others print nothing but errors.
+
+    # one machine, 2 processes x 3 CPU devices each: SmolLM2's 3 KV heads over tp=3 inside
+    # each process, the batch over dp=2 across them (the demo's one prompt is padded to 2)
+    XLA_FLAGS=--xla_force_host_platform_device_count=3 python examples/generate.py --quick \
+        --mesh 2,3 --coordinator localhost:9876 --num-processes 2 --process-id 0 &
+    XLA_FLAGS=--xla_force_host_platform_device_count=3 python examples/generate.py --quick \
+        --mesh 2,3 --coordinator localhost:9876 --num-processes 2 --process-id 1
 
 User errors print one line (`error: ...`) and exit with status 2, before the model is loaded
 where possible; --debug shows the traceback instead.
@@ -27,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -97,8 +113,76 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--quick", action="store_true",
                  help=f"the demo in short: {QUICK_PARAGRAPHS} paragraphs, {QUICK_NEW_TOKENS} "
                       "new tokens, no full-KV run (what CI runs)")
+  dist = p.add_argument_group("scaling out (README: Scaling out)")
+  dist.add_argument("--mesh", default=None, metavar="DP,TP",
+                    help="shard over a dp x tp device mesh: the batch over dp, the KV heads over "
+                         "tp (tp must divide the model's KV heads); dp * tp = all devices when "
+                         "there are several processes. Default: one device")
+  dist.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                    help="run as one of --num-processes processes (jax.distributed); HOST:PORT "
+                         "of process 0, where the coordinator service listens")
+  dist.add_argument("--num-processes", type=int, default=None,
+                    help="number of processes (with --coordinator)")
+  dist.add_argument("--process-id", type=int, default=None,
+                    help="this process's id in [0, num-processes) (with --coordinator)")
   p.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
   return p
+
+
+def parse_mesh(text: str | None) -> tuple[int, int] | None:
+  """--mesh "DP,TP" -> (dp, tp); None when not given."""
+  if text is None:
+    return None
+  parts = text.split(",")
+  if len(parts) != 2 or not all(x.strip().isdigit() and int(x) >= 1 for x in parts):
+    raise UsageError(f"--mesh must be DP,TP with two ints >= 1 (e.g. 2,2), got {text!r}")
+  return int(parts[0]), int(parts[1])
+
+
+def check_distributed(args) -> bool:
+  """Validates --coordinator / --num-processes / --process-id / --mesh without touching JAX.
+
+  Returns whether this is a multi-process run.
+  """
+  given = [f for f, v in (("--coordinator", args.coordinator),
+                          ("--num-processes", args.num_processes),
+                          ("--process-id", args.process_id)) if v is not None]
+  mesh = parse_mesh(args.mesh)
+  if not given:
+    return False
+  if len(given) != 3:
+    raise UsageError("--coordinator, --num-processes and --process-id go together; missing "
+                     + ", ".join(f for f in ("--coordinator", "--num-processes", "--process-id")
+                                 if f not in given))
+  from rocketkv_jax.models import distributed
+
+  try:
+    distributed.check_args(args.coordinator, args.num_processes, args.process_id)
+  except ValueError as e:
+    raise UsageError(str(e).replace("coordinator", "--coordinator", 1)
+                     .replace("num_processes", "--num-processes")
+                     .replace("process_id", "--process-id")) from None
+  if mesh is None:
+    raise UsageError("--coordinator needs --mesh DP,TP (e.g. --mesh 2,2: batch over 2, KV heads "
+                     "over 2, dp * tp = all devices of all processes)")
+  return True
+
+
+def make_mesh(args, config):
+  """--mesh -> a ("dp", "tp") mesh checked against the devices and the model (None: no mesh)."""
+  shape = parse_mesh(args.mesh)
+  if shape is None:
+    return None
+  from rocketkv_jax.models import sharding
+
+  dp, tp = shape
+  if config.num_kv_heads % tp:
+    raise UsageError(f"--mesh {args.mesh}: tp ({tp}) must divide the model's "
+                     f"{config.num_kv_heads} KV heads")
+  try:
+    return sharding.make_mesh(tp=tp, dp=dp)
+  except ValueError as e:  # the device count
+    raise UsageError(f"--mesh {args.mesh}: {e}") from None
 
 
 @dataclasses.dataclass
@@ -236,11 +320,12 @@ def table(results, full_bytes: int) -> str:
         f"{s['kv_tokens_read']:>18}{s['prefill_s']:>11.2f}{s['decode_tokens_per_s']:>14.1f}"
         f"  {answer[:72]}")
   lines += [
-      "KV kept: prompt tokens whose K/V stay cached after prefill (per layer and KV head), and "
-      "the cache's size in MB (all layers, with room for the new tokens and chunk summaries)",
+      "KV kept: prompt tokens whose K/V stay cached after prefill (per KV head, mean over "
+      "layers), and the cache's size in MB (all layers, with room for the new tokens and chunk "
+      "summaries)",
       "cache reduction: full-KV cache size / this cache size (memory)",
       "KV read per step: tokens whose K/V each decode step attends to (compute and memory "
-      "traffic, not memory held)",
+      "traffic, not memory held; mean over layers, a dense layer reading its whole cache)",
   ]
   return "\n".join(lines)
 
@@ -259,15 +344,19 @@ def resolve_dtype(name: str) -> tuple[str, str]:
                      "where bf16 would compute in fp32; --dtype bfloat16 halves the KV cache")
 
 
-def load(args, job: _Job):
+def load(args, job: _Job, mesh=None):
   """Step 1: the weights (a missing or mismatched weights file is still a user error)."""
   print(f"[1/{1 + len(job.methods)}] loading {job.path} ...", flush=True)
   t0 = time.perf_counter()
   dtype, why = resolve_dtype(args.dtype)
-  model = rocketkv.models.load(job.path, dtype=getattr(jnp, dtype))
+  model = rocketkv.models.load(job.path, dtype=getattr(jnp, dtype), mesh=mesh)
   print(f"      loaded in {time.perf_counter() - t0:.1f}s ({dtype}{why}): "
         f"{model.config.num_layers} layers, "
         f"{model.config.num_heads}/{model.config.num_kv_heads} heads", flush=True)
+  if mesh is not None:
+    print(f"      mesh dp x tp = {mesh.shape['dp']} x {mesh.shape['tp']} over {mesh.size} "
+          f"devices, {jax.process_count()} process(es): batch over dp, KV heads over tp",
+          flush=True)
   print(f"      prompt: {len(job.ids)} tokens" +
         (" (built-in demo: a fact hidden mid-document)" if job.demo else ""), flush=True)
   return model
@@ -293,12 +382,30 @@ def run(args, job: _Job, model):
   return results
 
 
+def start_process(args) -> None:
+  """Joins the other processes (before any JAX computation); only process 0 keeps stdout."""
+  from rocketkv_jax.models import distributed
+
+  try:
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+  except RuntimeError as e:  # e.g. the coordinator never answered: one line of the cause
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    raise UsageError(f"could not join {args.num_processes} processes at {args.coordinator} "
+                     f"as process {args.process_id}: {first}") from None
+  if args.process_id != 0:  # silence this process's stdout, the C++ runtime's (gloo's) too
+    sys.stdout.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def main(argv=None):
   debug = "--debug" in (sys.argv[1:] if argv is None else argv)
   try:
     args = _parser().parse_args(argv)
+    if check_distributed(args):
+      start_process(args)
     job = prepare(args)
-    model = load(args, job)
+    mesh = make_mesh(args, job.config)
+    model = load(args, job, mesh)
   except (ValueError, OSError) as e:  # user errors: a bad argument, path, file or checkpoint
     if debug:
       raise

@@ -3,14 +3,23 @@
     python examples/results_tables.py results/results.json per-length   # per-length sections
     python examples/results_tables.py results/results.json claims       # issue #5's two checks
     python examples/results_tables.py results/results.json means        # README.md's summary
+    python examples/results_tables.py --compare full --budget 256 results/results.json
+    python examples/results_tables.py results/results.json --compare full --budget 256 \
+        --methods rocketkv snapkv
 
 `claims`: per (task, length), full KV vs RocketKV at B=256, and whether RocketKV is at or above
 every other compressed method (SnapKV, Quest, SparQ, StreamingLLM; the exact_topk oracle is
 not counted) at B = 128 / 256 / 512 / 1024.
+
+`--compare REF --budget B`: per (task, length), every other method (or `--methods`) at B minus
+REF, for the score and, where the records have it, the teacher-forced gold log-prob per token,
+with 95% paired-bootstrap intervals over the shared samples (`report.compare_markdown`), then a
+count per method of the cells whose interval lies below / above 0.
 """
 
 import argparse
 import collections
+import sys
 
 import numpy as np
 
@@ -87,13 +96,39 @@ def means(res) -> str:
   return "\n".join(lines)
 
 
+TABLES = {"per-length": per_length, "claims": claims, "means": means}
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("results")
-  p.add_argument("table", choices=("per-length", "claims", "means"))
+  p.add_argument("results", help="a results JSON (examples/evaluate.py)")
+  p.add_argument("table", nargs="?", choices=tuple(TABLES),
+                 help="the table to print (or --compare)")
+  p.add_argument("--compare", metavar="METHOD", default=None,
+                 help="reference method (e.g. full): paired differences of the others to it")
+  p.add_argument("--budget", type=int, default=None, help="with --compare: the token budget")
+  p.add_argument("--methods", nargs="+", default=None,
+                 help="with --compare: the methods to compare (default: every other one)")
   a = p.parse_args(argv)
-  res = report.load_json(a.results)
-  print({"per-length": per_length, "claims": claims, "means": means}[a.table](res))
+  try:
+    if (a.table is None) == (a.compare is None):
+      raise ValueError(f"give one of a table ({', '.join(TABLES)}) or --compare METHOD")
+    if a.compare is None and (a.budget is not None or a.methods is not None):
+      raise ValueError("--budget and --methods go with --compare")
+    try:
+      res = report.load_json(a.results)
+    except (OSError, ValueError) as e:
+      raise ValueError(f"cannot read results JSON {a.results!r}: {e}") from None
+    if not isinstance(res, dict) or not isinstance(res.get("records"), list):
+      raise ValueError(f"{a.results!r} is not a results JSON (it has no records)")
+    if a.compare is not None:
+      out = report.compare_markdown(res, a.compare, a.methods, a.budget)
+    else:
+      out = TABLES[a.table](res)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+  print(out)
 
 
 if __name__ == "__main__":

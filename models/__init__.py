@@ -6,8 +6,8 @@
 
 Modules: `config` (ModelConfig), `rope`, `attention` (blockwise causal prefill), `llama`
 (the pure network: forward / prefill / decode_step), `hf_loader`, `gguf_loader`, `tokenizer`,
-`checkpoint` (orbax), `sharding` (tensor parallel), `api` (load / load_config / Model /
-smollm2_path).
+`checkpoint` (orbax), `sharding` (the dp / tp mesh), `distributed` (multi-process start-up),
+`api` (load / load_config / Model / smollm2_path).
 """
 
 from rocketkv_jax.models.api import Model, load, load_config, smollm2_path

@@ -17,16 +17,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rocketkv_jax.models import gguf_loader, hf_loader, llama
+from rocketkv_jax.models import gguf_loader, hf_loader, llama, sharding
 from rocketkv_jax.models.config import ModelConfig
 from rocketkv_jax.models.tokenizer import Tokenizer
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block_size"))
-def _forward(params, tokens, *, config, block_size):
-  return llama.forward(params, tokens, config=config, block_size=block_size)
+@functools.partial(jax.jit, static_argnames=("config", "block_size", "out_sharding"))
+def _forward(params, tokens, *, config, block_size, out_sharding):
+  logits = llama.forward(params, tokens, config=config, block_size=block_size)
+  if out_sharding is not None:
+    logits = jax.lax.with_sharding_constraint(logits, out_sharding)
+  return logits
 
 
 @dataclasses.dataclass
@@ -50,7 +53,11 @@ class Model:
     return self.params["embed"].dtype
 
   def logits(self, token_ids, block_size: int = 512) -> jax.Array:
-    """Plain full-attention forward: token ids `[B, T]` (or `[T]`) -> fp32 logits `[B, T, V]`."""
+    """Plain full-attention forward: token ids `[B, T]` (or `[T]`) -> fp32 logits `[B, T, V]`.
+
+    On a mesh (`load(..., mesh=...)`) the batch is split over "dp" when "dp" divides it, and the
+    logits come back replicated, so every process can read them (`np.asarray`).
+    """
     tokens = np.asarray(token_ids, np.int32)
     if tokens.ndim == 1:
       tokens = tokens[None]
@@ -63,7 +70,15 @@ class Model:
     if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
       raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got "
                        f"[{tokens.min()}, {tokens.max()}]")
-    return _forward(self.params, jnp.asarray(tokens), config=self.config, block_size=block_size)
+    mesh = sharding.mesh_of(self.params)
+    if mesh is None:
+      return _forward(self.params, jnp.asarray(tokens), config=self.config,
+                      block_size=block_size, out_sharding=None)
+    on_dp = tokens.shape[0] % sharding.axis_size(mesh, "dp") == 0
+    placed = sharding.global_array(
+        tokens, sharding.batch_sharding(mesh, 2) if on_dp else sharding.replicated(mesh))
+    return _forward(self.params, placed, config=self.config, block_size=block_size,
+                    out_sharding=sharding.replicated(mesh))
 
 
 def smollm2_path() -> str:
@@ -116,29 +131,31 @@ def load(path: str, dtype=jnp.float32, mesh: "jax.sharding.Mesh | None" = None) 
   Args:
     path: a directory with config.json + safetensors (+ tokenizer.json), or a `.gguf` file.
     dtype: parameter / activation dtype: jnp.float32 or jnp.bfloat16.
-    mesh: optional mesh with a "tp" axis: parameters are sharded over attention heads / MLP
-      columns (see `rocketkv_jax.models.sharding`), each device reading only its shard (HF).
+    mesh: optional mesh with a "tp" axis (and optionally "dp", over which the parameters are
+      replicated; `sharding.make_mesh(tp, dp)`): parameters are sharded over attention heads /
+      MLP columns (see `rocketkv_jax.models.sharding`), each device reading only its shard
+      (HF; GGUF dequantises whole tensors on each host). The mesh may span processes
+      (`models/distributed.py`): each process then places only its own devices' shards.
 
   Raises:
     FileNotFoundError: the path, config.json or a weights file is missing.
     ValueError: not a GGUF file / unreadable config, unsupported architecture / rope type /
-      dtype, or config-weights shape mismatch. Every path error names the path.
+      dtype, config-weights shape mismatch, or a mesh whose "tp" size does not divide
+      num_kv_heads. Every path error names the path.
   """
   dtype = jnp.dtype(dtype)
   if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
     raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
   path = os.fspath(path)
   kind = _kind(path)
-  from rocketkv_jax.models import sharding as sharding_lib
-
   if kind == "hf":
     config, _ = hf_loader.read_hf_config(path)
-    shardings = None if mesh is None else sharding_lib.param_shardings(config, mesh)
+    shardings = None if mesh is None else sharding.param_shardings(config, mesh)
     params = hf_loader.load_hf_params(path, config, dtype, shardings)
     return Model(config, params, Tokenizer.from_hf_dir(path), path)
   reader = gguf_loader.open_gguf(path)
   meta = gguf_loader.read_metadata(reader)
   config = gguf_loader.config_from_gguf(meta, {t.name: t for t in reader.tensors})
-  shardings = None if mesh is None else sharding_lib.param_shardings(config, mesh)
+  shardings = None if mesh is None else sharding.param_shardings(config, mesh)
   params = gguf_loader.load_gguf_params(reader, config, dtype, shardings)
   return Model(config, params, Tokenizer.from_gguf_fields(meta), path)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from rocketkv_jax.models.config import ModelConfig, RopeScaling
 from rocketkv_jax.models.llama import param_shapes
+from rocketkv_jax.models.sharding import global_array
 
 _LAYER_MAP = {
     "attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v",
@@ -145,9 +145,9 @@ def load_gguf_params(reader, config: ModelConfig, dtype=jnp.float32, shardings=N
     reader: from `open_gguf`.
     config: from `config_from_gguf`.
     dtype: parameter dtype.
-    shardings: optional pytree of `NamedSharding`; each array is placed with `device_put`
-      (GGUF quantisation blocks do not line up with shards, so the host dequantises whole
-      tensors one at a time).
+    shardings: optional pytree of `NamedSharding`; each process places only its own devices'
+      slices (`sharding.global_array`). GGUF quantisation blocks do not line up with shards,
+      so each process's host dequantises whole tensors, one at a time.
 
   Raises:
     ValueError: a missing tensor or a shape mismatch against the metadata.
@@ -170,7 +170,7 @@ def load_gguf_params(reader, config: ModelConfig, dtype=jnp.float32, shardings=N
     return w.astype(np.dtype(dtype))
 
   def place(x, sh):
-    return jnp.asarray(x) if sh is None else jax.device_put(x, sh)
+    return jnp.asarray(x) if sh is None else global_array(x, sh)
 
   sh = shardings or {}
   params: dict[str, Any] = {

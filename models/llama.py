@@ -46,6 +46,7 @@ import numpy as np
 
 from rocketkv_jax import methods
 from rocketkv_jax.attend import dense_attention_xla
+from rocketkv_jax.config import check_num_layers
 from rocketkv_jax.decode import decode_step as kv_decode_step
 from rocketkv_jax.decode import prefill as kv_prefill
 from rocketkv_jax.models.attention import blockwise_causal_attention
@@ -184,11 +185,15 @@ def _last_token_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, length
 
 
 def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
-                config: ModelConfig, window: int, per_layer, block_size: int = 512):
+                config: ModelConfig, window: int, per_layer, block_size: int = 512,
+                static_layers: tuple[int, ...] = ()):
   """The decoder over a right-padded prompt batch, keeping what the KV methods need.
 
   Every layer computes K/V for all tokens and queries for the last `window` valid tokens, and
-  hands them to `per_layer(k [B, Hkv, L, Dh], v, q_window [B, Hq, W, Dh]) -> pytree`.
+  hands them to `per_layer(k [B, Hkv, L, Dh], v, q_window [B, Hq, W, Dh], layer) -> pytree`.
+  `layer` is the layer's index for the layers in `static_layers`, which run unrolled (so their
+  results may differ in structure: the KV methods' dense layers), and None for the others, which
+  run in `lax.scan`s between them (results of one structure).
   Layers 0..N-2 run blockwise causal attention and the MLP over every token; the last layer's
   output is needed only at each sequence's last valid token, so there its attention and MLP
   run on that one row (a 1/N saving of the prompt pass).
@@ -202,29 +207,46 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
   widx = window_indices(lengths, length, window)  # [B, W]; widx[:, -1] = lengths - 1
   kv_dtype = params["embed"].dtype  # K/V reach `per_layer` in the parameter dtype
   params = compute_params(params)
-  store = lambda k, v, qw: per_layer(k.astype(kv_dtype), v.astype(kv_dtype), qw.astype(kv_dtype))
+  n = config.num_layers
+  static = {i for i in static_layers if 0 <= i < n}
+
+  def store(k, v, qw, i):
+    return per_layer(k.astype(kv_dtype), v.astype(kv_dtype), qw.astype(kv_dtype),
+                     i if i in static else None)
+
   x = params["embed"][tokens]
   stacked = stack_layers(params)
-  n = config.num_layers
 
-  def layer(x, lp):
+  def layer(x, lp, i=None):
     q, k, v = qkv(lp, config, x, positions)
     a = blockwise_causal_attention(
         q, k, v, sliding_window=config.sliding_window, block_size=block_size)
     q_window = jnp.take_along_axis(q, widx[:, None, :, None], axis=2)  # [B, Hq, W, Dh]
-    out = store(k, v, q_window)
+    out = store(k, v, q_window, i)
     x = mlp_residual(lp, config, attn_residual(lp, x, a))
     return x, out
 
-  x, outs = lax.scan(layer, x, jax.tree.map(lambda a: a[:n - 1], stacked))
+  outs = []
+  lo = 0
+  while lo < n - 1:  # runs of scanned layers, and the static layers one by one
+    if lo in static:
+      x, out = layer(x, jax.tree.map(lambda a: a[lo], stacked), lo)
+      outs.append(out)
+      lo += 1
+      continue
+    hi = lo
+    while hi < n - 1 and hi not in static:
+      hi += 1
+    x, run = lax.scan(layer, x, jax.tree.map(lambda a: a[lo:hi], stacked))
+    outs += [jax.tree.map(lambda a, i=i: a[i], run) for i in range(hi - lo)]
+    lo = hi
   lp = jax.tree.map(lambda a: a[n - 1], stacked)
   q_window, k, v = qkv(lp, config, x, positions, q_rows=widx)
-  last_out = store(k, v, q_window)
+  last_out = store(k, v, q_window, n - 1)
   a = _last_token_attention(q_window[:, :, -1], k, v, lengths, config.sliding_window)
   x = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
   x = mlp_residual(lp, config, attn_residual(lp, x, a[:, :, None, :]))
-  outs = tuple(jax.tree.map(lambda a, i=i: a[i], outs) for i in range(n - 1)) + (last_out,)
-  return x[:, 0], outs
+  return x[:, 0], tuple(outs) + (last_out,)
 
 
 def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
@@ -242,11 +264,15 @@ def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
 
   Returns:
     (logits `[B, V]` fp32 at each sequence's last valid token,
-     cache: a tuple with one `rocketkv.prefill` state per layer).
+     cache: a tuple with one `rocketkv.prefill` state per layer; the method's dense layers
+     (`layer=i`, e.g. RocketKV's `skip_layers`) keep every prompt token).
   """
+  check_num_layers(plan, config.num_layers)
   last, cache = prompt_pass(
       params, tokens, lengths, config=config, window=plan.window_size, block_size=block_size,
-      per_layer=lambda k, v, qw: kv_prefill(k, v, qw, plan, lengths=lengths, impl=impl))
+      static_layers=methods.get(plan.method).dense_layers(plan),
+      per_layer=lambda k, v, qw, layer: kv_prefill(k, v, qw, plan, lengths=lengths, impl=impl,
+                                                   layer=layer))
   return unembed(params, config, last), cache
 
 
@@ -266,6 +292,7 @@ def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarr
   """
   if len(cache) != config.num_layers:
     raise ValueError(f"cache must hold {config.num_layers} layer states, got {len(cache)}")
+  check_num_layers(plan, config.num_layers)
   params = compute_params(params)  # a no-op when the caller has upcast them (generate does)
   x = params["embed"][tokens][:, None, :]  # [B, 1, D]
   pos = positions[:, None]

@@ -53,6 +53,8 @@ class Plan:
     rerank_candidates: slots the chunk bounds pick for "rerank" (ceil(factor * top_k); 0
       otherwise); capped at the cache capacity when selecting.
     lowrank_page_size, lowrank_rank: P and R for "lowrank" (0 otherwise).
+    skip_layers: the first layers that keep their whole cache and attend densely (rocketkv,
+      rocketkv_mt: `RocketConfig.skip_layers`; 0 otherwise).
   """
 
   method: str
@@ -73,6 +75,7 @@ class Plan:
   rerank_candidates: int = 0
   lowrank_page_size: int = 0
   lowrank_rank: int = 0
+  skip_layers: int = 0
 
   @property
   def num_chunks(self) -> int:

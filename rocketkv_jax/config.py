@@ -16,7 +16,7 @@ from rocketkv_jax._checks import require, require_int
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.methods import METHODS, STAGE2
 
-__all__ = ["METHODS", "Plan", "RocketConfig", "STAGE2", "plan"]
+__all__ = ["METHODS", "Plan", "RocketConfig", "STAGE2", "check_num_layers", "plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +40,12 @@ class RocketConfig:
       scores; stage2_lowrank.py).
     rerank_factor: candidates per selected slot for "rerank" (>= 1).
     lowrank_page_size, lowrank_rank: page size P and rank R for "lowrank" (R <= P, R <= D).
+    skip_layers: the first `skip_layers` layers keep their whole cache (no stage-1 eviction) and
+      attend densely at every decode step, for the methods that accept it
+      (`Method.accepts_skip_layers`: rocketkv, rocketkv_mt; others reject a value other than 0).
+      An ablation: each dense layer reads its full cache every step, so the read per step grows
+      by about skip_layers / num_layers of full KV's. At most the model's number of layers
+      (checked where it is known: `check_num_layers`); equal to it, every layer is dense.
   """
 
   token_budget: int
@@ -60,6 +66,7 @@ class RocketConfig:
   rerank_factor: float = 1.5
   lowrank_page_size: int = 128
   lowrank_rank: int = 8
+  skip_layers: int = 0
 
   def __post_init__(self):
     method = methods.get(self.method)
@@ -71,6 +78,11 @@ class RocketConfig:
     require(self.stage2 in method.stage2_variants,
             f"stage2={self.stage2!r} needs method in "
             f"{sorted(n for n, m in methods.REGISTRY.items() if self.stage2 in m.stage2_variants)}"
+            f", got {self.method!r}")
+    require_int("skip_layers", self.skip_layers, 0)
+    require(self.skip_layers == 0 or method.accepts_skip_layers,
+            f"skip_layers={self.skip_layers} needs method in "
+            f"{sorted(n for n, m in methods.REGISTRY.items() if m.accepts_skip_layers)}"
             f", got {self.method!r}")
     method.check_config(self)
     require_int("page_size", self.page_size, 1)
@@ -107,3 +119,13 @@ def plan(config: RocketConfig, prompt_len: int, max_new_tokens: int, head_dim: i
               kernel_size=config.kernel_size, sink_size=config.sink_size, head_dim=head_dim,
               prompt_len=prompt_len, max_new_tokens=max_new_tokens,
               token_budget=config.token_budget, **split)
+
+
+def check_num_layers(plan: Plan, num_layers: int) -> None:
+  """ValueError unless `plan` fits a model of `num_layers` layers (`skip_layers` <= it).
+
+  `RocketConfig` cannot know the model; `generate`, the eval runner and the model's prefill
+  call this before tracing."""
+  require(isinstance(plan, Plan), f"plan must be a Plan from rocketkv.plan(), got {type(plan)}")
+  require(plan.skip_layers <= num_layers,
+          f"skip_layers must be an int in [0, num_layers={num_layers}], got {plan.skip_layers}")

@@ -1,12 +1,14 @@
 """`prefill`, `decode_step` and `select`: every method behind one interface, chosen by
 `plan.method` in the registry (rocketkv_jax/methods/).
 
-    state = prefill(k, v, q_window, plan, lengths=lengths)   # once per layer after the prompt
-    out, state = decode_step(q, k_new, v_new, state, plan)   # every generated token
+    state = prefill(k, v, q_window, plan, lengths=lengths, layer=i)  # per layer, after the prompt
+    out, state = decode_step(q, k_new, v_new, state, plan, layer=i)  # every generated token
 
 A method's `decode_step` is by default `append` (write the new token, update its chunk's
 min/max) -> its `select` (stage 2) -> `attend` (exact attention over the selected slots); dense
-methods, and a method's dense layers, skip the selection.
+methods, and a method's dense layers, skip the selection. `layer=i` lets the method keep some
+layers dense (`Method.dense_layers`: Quest's first two, RocketKV's `skip_layers`); such a layer's
+prefill keeps every prompt token.
 """
 
 from __future__ import annotations
@@ -25,8 +27,15 @@ def _check_plan(plan) -> None:
   require(isinstance(plan, Plan), f"plan must be a Plan from rocketkv.plan(), got {type(plan)}")
 
 
+def _is_dense(method, plan: Plan, layer: int | None) -> bool:
+  if layer is not None:
+    require(isinstance(layer, int) and not isinstance(layer, bool) and layer >= 0,
+            f"layer must be an int >= 0 or None, got {layer!r}")
+  return layer is not None and layer in method.dense_layers(plan)
+
+
 def prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
-            lengths: jax.Array | None = None, impl: str = "auto"):
+            lengths: jax.Array | None = None, impl: str = "auto", layer: int | None = None):
   """Builds the decode state of one layer from its prompt K/V.
 
   Args:
@@ -36,6 +45,9 @@ def prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
     plan: from `rocketkv.plan`.
     lengths: [B] valid prompt lengths (None: all L).
     impl: "auto" | "xla" | "pallas" for the stage-1 scoring.
+    layer: this layer's index, or None, as for `decode_step`: a layer the method keeps dense
+      (`Method.dense_layers`, e.g. RocketKV's `skip_layers`) keeps every prompt token. Pass the
+      same `layer` to both; None: not a dense layer.
   Returns:
     The method's state: a `KVCache` (an `MTState` for "rocketkv_mt", a `LowRankState` for
     stage2="lowrank"; any pytree in general).
@@ -43,7 +55,9 @@ def prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
   _check_plan(plan)
   check_prefill_inputs(k, v, q_window, plan, lengths)
   _impl.check(impl)
-  return methods.get(plan.method).prefill(k, v, q_window, plan, lengths=lengths, impl=impl)
+  method = methods.get(plan.method)
+  return method.prefill(k, v, q_window, plan, lengths=lengths, impl=impl,
+                        dense=_is_dense(method, plan, layer))
 
 
 def decode_step(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache, plan: Plan, *,
@@ -69,8 +83,7 @@ def decode_step(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache, plan: P
             f"sliding_window must be an int >= 1 or None, got {sliding_window!r}")
   _impl.check(impl)
   method = methods.get(plan.method)
-  dense = layer is not None and layer in method.dense_layers(plan)
-  return method.decode_step(q, k_new, v_new, cache, plan, dense=dense,
+  return method.decode_step(q, k_new, v_new, cache, plan, dense=_is_dense(method, plan, layer),
                             sliding_window=sliding_window, impl=impl)
 
 

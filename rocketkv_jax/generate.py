@@ -13,9 +13,15 @@ Structure (two compiled programs per (shapes, method, budget); none per step):
      token on device, stopping when every sequence hit EOS or `max_new_tokens`. An optional
      streaming callback receives each step's tokens through an ordered `io_callback`.
 
-Tensor parallelism: load the model with `rocketkv.models.load(path, mesh=make_mesh(tp))`;
-`generate` is unchanged -- GSPMD propagates the head sharding of Q/K/V into the KV caches, so
-each device holds and scores only its KV heads (tested: same tokens as one device).
+Sharding: load the model with `rocketkv.models.load(path, mesh=sharding.make_mesh(tp, dp))`;
+`generate` is unchanged. It finds the mesh on the parameters, splits the batch over "dp" and
+GSPMD propagates the head sharding of Q/K/V into the KV caches, so each device holds and scores
+only its sequences' KV heads (tested: same tokens as one device). The mesh may span processes
+(`models/distributed.py`): every process calls `generate` with the same prompts (SPMD); the
+inputs are global arrays each process places its own slices of, and the outputs the host reads
+(tokens, overflow flags, step count) are replicated on device, so every process returns every
+sequence's tokens; no host sync per step. A batch that "dp" does not divide is padded with
+copies of its last prompt, whose outputs are dropped.
 
 Compilation: both programs are compiled ahead of time (`jit(...).lower(...).compile()`) and
 cached per (static config, plan, argument shapes / shardings); a repeated call with the same
@@ -32,10 +38,12 @@ Decisions where the issue is silent:
     (`rocketkv_jax.sampling`).
   * A cache overflow (an append into a full cache, which the core drops) raises RuntimeError on
     the host after the loop; it cannot happen with a plan made for these lengths.
-  * Stats: `kv_tokens_kept` is the number of valid cache slots per layer after prefill (stage 1),
-    `kv_tokens_read` the tokens attended per decode step (the method's `tokens_read`: top-k for
-    sparse methods, else the whole valid cache), and `compression_ratio` = (prompt + new
-    tokens) / kv_tokens_read.
+  * Stats: `kv_tokens_kept` is the number of valid cache slots per KV head after prefill
+    (stage 1), `kv_tokens_read` the tokens attended per decode step (the method's
+    `layer_reads`: top-k for sparse methods, else the whole valid cache), both the mean over
+    layers (rounded), and `compression_ratio` = (prompt + new tokens) / that mean read. A
+    method's dense layers (Quest's first two, RocketKV's `skip_layers`) count their whole
+    cache; `kv_tokens_kept_per_layer` / `kv_tokens_read_per_layer` give each layer's.
     Times are wall-clock with compilation reported separately (`compile_s`). `kv_cache_bytes` is
     the size of every layer's KV state; `peak_bytes` XLA's memory estimate (arguments + outputs +
     temporaries) of the larger of the two compiled programs.
@@ -55,9 +63,10 @@ import numpy as np
 
 from rocketkv_jax import decode_loop, methods, sampling
 from rocketkv_jax.cache import cache_overflow
-from rocketkv_jax.config import RocketConfig
+from rocketkv_jax.config import RocketConfig, check_num_layers
 from rocketkv_jax.config import plan as make_plan
 from rocketkv_jax.models import llama
+from rocketkv_jax.models import sharding as sharding_lib
 from rocketkv_jax.models.precision import compute_params
 
 
@@ -88,27 +97,40 @@ def _stream_trampoline(step, tokens, done):
 
 
 # --------------------------------------------------------------------------- programs
-def _prefill_fn(params, tokens, lengths, key, sampler, *, config, plan, block_size, impl):
+def _host_out(x, out_sharding):
+  """An output the host reads: replicated on `out_sharding`'s mesh (every process has it)."""
+  return x if out_sharding is None else jax.lax.with_sharding_constraint(x, out_sharding)
+
+
+def _prefill_fn(params, tokens, lengths, key, sampler, *, config, plan, block_size, impl,
+                out_sharding):
   logits, cache = llama.prefill(params, tokens, lengths, config=config, plan=plan,
                                 block_size=block_size, impl=impl)
-  return sampler(logits, jax.random.fold_in(key, 0)), cache
+  view = methods.get(plan.method).view
+  kept = jnp.stack([jnp.max(view(c).length) for c in cache])  # [N] per layer, replicated
+  return sampler(logits, jax.random.fold_in(key, 0)), cache, _host_out(kept, out_sharding)
 
 
-def _on_token(step, tok, done):
+def _on_token(step, tok, done, *, out_sharding):
+  # gathered first: the callback runs on one device, and GSPMD warns about (and rematerialises)
+  # a batch-sharded operand it has to move there itself
+  tok, done = _host_out(tok, out_sharding), _host_out(done, out_sharding)
   io_callback(_stream_trampoline, jax.ShapeDtypeStruct((), jnp.int32), step, tok, done,
               ordered=True)
 
 
 def _decode_fn(params, cache, first, lengths, key, sampler, eos, *, config, plan,
-               max_new_tokens, stream, impl):
+               max_new_tokens, stream, impl, out_sharding):
   # bf16 weights on a CPU without bf16 dots: upcast once here, not in every step of the loop
   params = compute_params(params)
   step_fn = lambda c, t, p: llama.decode_step(params, c, t, p, config=config, plan=plan,
                                               impl=impl)
   s = decode_loop.sample_loop(step_fn, cache, first, lengths, eos, key, sampler,
                               max_new_tokens=max_new_tokens,
-                              on_token=_on_token if stream else None)
-  return s.tokens, s.step, cache_overflow(s.cache), s.cache
+                              on_token=functools.partial(_on_token, out_sharding=out_sharding)
+                              if stream else None)
+  return (_host_out(s.tokens, out_sharding), s.step,
+          _host_out(cache_overflow(s.cache), out_sharding), s.cache)
 
 
 _COMPILED: dict[Any, Any] = {}
@@ -217,7 +239,8 @@ def generate(
     seed: sampling seed.
     eos_token_ids: stop ids; default the tokenizer's / config's EOS. Pass () to never stop early.
     chat: wrap each string prompt in the model's chat template (user turn + generation prompt).
-    stream: optional `fn(step, tokens [B], done [B])` called on the host for every step.
+    stream: optional `fn(step, tokens [B], done [B])` called on the host for every step (with
+      several processes, on the process that owns the mesh's first device only).
     rocket_config: a full `rocketkv.RocketConfig` (overrides method / token_budget).
     block_size: prefill attention tile.
     impl: "auto" | "xla" | "pallas" for the core's hot path ("auto": Pallas kernels on GPU).
@@ -245,56 +268,72 @@ def generate(
     raise ValueError(
         f"prompt ({length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
         f"context of {config.max_position_embeddings} tokens")
+  mesh = sharding_lib.mesh_of(model.params)
+  dp = 1 if mesh is None else sharding_lib.axis_size(mesh, "dp")
+  rows = -(-len(ids) // dp) * dp  # padded with copies of the last prompt, dropped at the end
   pad = 0
-  tokens = np.full((len(ids), length), pad, np.int32)
-  for i, p in enumerate(ids):
+  tokens = np.full((rows, length), pad, np.int32)
+  for i, p in enumerate(ids + [ids[-1]] * (rows - len(ids))):
     tokens[i, :len(p)] = p
+  row_lengths = np.concatenate([lengths, np.full(rows - len(ids), lengths[-1], np.int32)])
   if eos_token_ids is None:
     eos_token_ids = decode_loop.default_eos_ids(model)
-  eos = decode_loop.eos_array(eos_token_ids)
+  eos = np.asarray(decode_loop.eos_array(eos_token_ids))
 
   rcfg = rocket_config or RocketConfig(token_budget=token_budget, method=method)
   plan = make_plan(rcfg, length, max_new_tokens, config.head_dim)
+  check_num_layers(plan, config.num_layers)
   sampler = sampling.sampler(temperature, top_p)
-  key = jax.random.PRNGKey(seed)
-  tokens_j, lengths_j = jnp.asarray(tokens), jnp.asarray(lengths)
+  key = np.asarray(jax.random.PRNGKey(seed))
+  if mesh is None:
+    out_sharding = None
+    tokens_j, lengths_j, key, eos = (jnp.asarray(x) for x in (tokens, row_lengths, key, eos))
+  else:  # global arrays: batch over "dp", the rest replicated; each process puts its slices
+    out_sharding = sharding_lib.replicated(mesh)
+    tokens_j, lengths_j = (sharding_lib.global_array(x, sharding_lib.batch_sharding(mesh, x.ndim))
+                           for x in (tokens, row_lengths))
+    key, eos = (sharding_lib.global_array(x, out_sharding) for x in (key, eos))
+    sampler = jax.tree.map(lambda x: sharding_lib.global_array(x, out_sharding), sampler)
 
   say = _Progress(verbose)
   pre_args = (model.params, tokens_j, lengths_j, key, sampler)
   say.start("compiling prefill")
   pre_exe, pre_compile = _compiled(
       "prefill", _prefill_fn,
-      dict(config=config, plan=plan, block_size=block_size, impl=impl), (), pre_args)
+      dict(config=config, plan=plan, block_size=block_size, impl=impl,
+           out_sharding=out_sharding), (), pre_args)
   say.done(pre_compile)
   say.start(f"prefill of {int(lengths.sum())} tokens")
   t0 = time.perf_counter()
-  first, cache = pre_exe(*pre_args)
+  first, cache, kv_kept = pre_exe(*pre_args)
   first.block_until_ready()
   prefill_s = time.perf_counter() - t0
   say.done(prefill_s)
-  kv_kept = int(np.asarray(method_obj.view(cache[0]).length).max())
-  kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache))
+  kept_per_layer = [int(x) for x in np.asarray(kv_kept)]
+  # the caller's rows only (every row's state has the same size): not the "dp" padding
+  kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache)) * len(ids) // rows
 
   dec_args = (model.params, cache, first, lengths_j, key, sampler, eos)
   say.start("compiling decode")
   dec_exe, dec_compile = _compiled(
       "decode", _decode_fn,
       dict(config=config, plan=plan, max_new_tokens=max_new_tokens,
-           stream=stream is not None, impl=impl), (1,), dec_args)
+           stream=stream is not None, impl=impl, out_sharding=out_sharding), (1,), dec_args)
   say.done(dec_compile)
-  _STREAM[0] = stream
+  n = len(ids)  # the stream sees the caller's rows, not the "dp" padding
+  _STREAM[0] = stream and (lambda step, t, done: stream(step, t[:n], done[:n]))
   try:
     t0 = time.perf_counter()
     out, steps, overflow, _ = dec_exe(*dec_args)
-    out = np.asarray(out)
+    out = np.asarray(out)[:len(ids)]
     decode_s = time.perf_counter() - t0
   finally:
     _STREAM[0] = None
   steps = int(steps)
-  overflow = np.asarray(overflow)
+  overflow = np.asarray(overflow).reshape(-1, rows)[:, :len(ids)]
   if overflow.any():
     raise RuntimeError(
-        f"KV cache overflow for batch rows {np.nonzero(overflow.reshape(-1, len(ids)).any(0))[0]}"
+        f"KV cache overflow for batch rows {np.nonzero(overflow.any(0))[0]}"
         f" (capacity {plan.capacity}); the plan was made for prompt_len={length}, "
         f"max_new_tokens={max_new_tokens}")
 
@@ -304,7 +343,8 @@ def generate(
     text = [model.tokenizer.decode(t) for t in result_tokens]
 
   new = max(len(t) for t in result_tokens)
-  read = method_obj.tokens_read(plan, kv_kept, steps)
+  read_per_layer = method_obj.layer_reads(plan, kept_per_layer, steps)
+  read = float(np.mean(read_per_layer))
   stats = dict(
       method=plan.method, token_budget=plan.token_budget, batch=len(ids),
       prompt_lengths=lengths.tolist(), new_tokens=[len(t) for t in result_tokens],
@@ -312,8 +352,9 @@ def generate(
       decode_ms_per_token=1e3 * decode_s / max(steps - 1, 1),
       decode_tokens_per_s=(steps - 1) * len(ids) / decode_s if steps > 1 else 0.0,
       compile_s=pre_compile + dec_compile,
-      kv_tokens_full=length + new, kv_tokens_kept=kv_kept, kv_tokens_read=int(read),
-      compression_ratio=(length + new) / max(int(read), 1),
+      kv_tokens_full=length + new, kv_tokens_kept=round(float(np.mean(kept_per_layer))),
+      kv_tokens_read=round(read), compression_ratio=(length + new) / max(read, 1.0),
+      kv_tokens_kept_per_layer=kept_per_layer, kv_tokens_read_per_layer=read_per_layer,
       capacity=plan.capacity, plan=plan, kv_cache_bytes=int(kv_bytes),
       peak_bytes=max(_peak_bytes(pre_exe), _peak_bytes(dec_exe)),
   )

@@ -22,10 +22,11 @@ from rocketkv_jax.stage2_lowrank import attach
 @struct.dataclass
 class MTState:
   """full: every token so far ([B, Hkv, C_full, D]); view: the stage-1 compressed cache (a
-  `LowRankState` around it for stage2="lowrank")."""
+  `LowRankState` around it for stage2="lowrank"), or None in a dense layer (`skip_layers`),
+  which reads `full`."""
 
   full: KVCache
-  view: KVCache
+  view: KVCache | None
 
 
 def begin_turn(state: MTState, k_turn: jax.Array, v_turn: jax.Array, q_window: jax.Array,
@@ -42,13 +43,16 @@ def begin_turn(state: MTState, k_turn: jax.Array, v_turn: jax.Array, q_window: j
       turn (method "rocketkv_mt"); a new plan per turn compiles once per turn, never per step.
     turn_lengths: [B] valid tokens of this turn (None: all T).
   Returns:
-    The state with `full` grown to hold the turn plus `plan.max_new_tokens`, and a fresh `view`.
+    The state with `full` grown to hold the turn plus `plan.max_new_tokens`, and a fresh `view`
+    (a dense layer's state, without a view, stays without one: it keeps reading `full`).
   """
   require(isinstance(state, MTState), f"state must be an MTState, got {type(state)}")
   full = state.full
   need = full.capacity + k_turn.shape[2] + plan.max_new_tokens
   full = grow(full, max(need, full.capacity))
   full = extend(full, k_turn, v_turn, turn_lengths)
+  if state.view is None:
+    return MTState(full=full, view=None)
   view = evict(full.k, full.v, q_window, plan, lengths=full.length, impl=impl)
   # evict() numbers slots by their index in `full`, which is the absolute position there.
   return MTState(full=full, view=attach(view.replace(seen=full.seen), plan))

@@ -133,3 +133,42 @@ def test_longbench_data_dir_through_the_sweep():
                                                       ("lb_hotpotqa", "rocketkv")}
   assert len(recs) == 4 and recs[0]["answers"] == ["Marlow"]
   assert "## lb_hotpotqa" in report.markdown(res)
+
+
+def test_gold_score_equals_full_logits_and_score_continuations():
+  """The sweep's teacher-forced gold score: for full KV it equals the log-softmax of a plain
+  forward pass over prompt + gold answer (float64 here); for rocketkv it equals
+  `rocketkv.score_continuations` under the same plan (context padded to the sweep's length)."""
+  model = tiny_model()
+  cfg = harness.SweepConfig(tasks=("passkey",), context_lengths=(768,),
+                            methods=("full", "rocketkv"), budgets=(64,), samples=2, batch_size=2,
+                            max_new_tokens=8)
+  recs = harness.run_sweep(model, cfg, progress=False)["records"]
+  tok = model.tokenizer
+  samples = [tasks.make_sample(tok, "passkey", 768, i, 0, target_tokens=768) for i in range(2)]
+  golds = [tasks.gold_ids(tok, s, 8) for s in samples]
+  assert [sum(m) for _, m in golds] == [5, 5]  # the 5 digits, not the leading space
+  by = {(r["method"], r["index"]): r for r in recs}
+  for s, (g, mask) in zip(samples, golds):
+    ids = tasks.prompt_ids(tok, s)
+    logits = np.asarray(model.logits(np.array([ids + g], np.int32)), np.float64)[0]
+    logits = logits[len(ids) - 1:len(ids) - 1 + len(g)]
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    lp = logp[np.arange(len(g)), g]
+    am = logits.argmax(-1) == np.array(g)
+    m = np.array(mask)
+    r = by[("full", s.index)]
+    assert r["gold_tokens"] == 5
+    np.testing.assert_allclose(r["gold_logprob"], lp[m].mean(), atol=1e-4)
+    assert r["gold_argmax"] == pytest.approx(am[m].mean())
+  conts = [g + [0] * (8 - len(g)) for g, _ in golds]
+  ref = rocketkv.score_continuations(
+      model, [tasks.prompt_ids(tok, s) for s in samples], conts,
+      rocket_config=rocketkv.RocketConfig(token_budget=64, method="rocketkv"), batch_size=2,
+      pad_multiple=768)
+  for s, (g, mask), lp in zip(samples, golds, ref.logprobs):
+    m = np.array(mask + [False] * (8 - len(g)))
+    r = by[("rocketkv", s.index)]
+    np.testing.assert_allclose(r["gold_logprob"], lp[m].mean(), atol=1e-4)
+    assert r["gold_logprob"] != by[("full", s.index)]["gold_logprob"]

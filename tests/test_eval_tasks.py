@@ -166,19 +166,21 @@ def test_report_tables_and_plots(tmp_path):
   assert agg[("passkey", 1000, "rocketkv", 128)] == (100.0, 2)
   assert agg[("vt", 2000, "full", None)] == (50.0, 2)
   md = report.markdown(res)
-  assert "| 1000 | full | 100.0 | 100.0 | 2 |" in md          # full repeated per budget
-  assert "| 2000 | rocketkv | 0.0 | 100.0 | 2 |" in md
-  assert "| 1000 | rocketkv | 0.0 | 75.0 |" in md              # mean over passkey + vt
+  assert "| 1000 | full | 100.0 [100.0, 100.0] | 100.0 [100.0, 100.0] | 2 |" in md  # per budget
+  assert "| 2000 | rocketkv | 0.0 [0.0, 0.0] | 100.0 [100.0, 100.0] | 2 |" in md
+  assert "| 1000 | rocketkv | 0.0 [0.0, 0.0] | 75.0 [75.0, 75.0] |" in md  # passkey + vt
   # a task that ran at one length only stays out of the per-length mean
   cwe = [dict(r, task="cwe", score=0.0) for r in res["records"]
          if r["context_len"] == 1000 and r["task"] == "passkey"]
   md3 = report.markdown(dict(res, records=res["records"] + cwe))
   assert "## Mean over synthetic tasks (passkey, vt)" in md3 and "(cwe did not run" in md3
-  assert "| 1000 | rocketkv | 0.0 | 75.0 |" in md3 and "| 1000 | rocketkv | 0.0 | 0.0 | 2 |" in md3
+  assert "| 1000 | rocketkv | 0.0 [0.0, 0.0] | 75.0 [75.0, 75.0] |" in md3
+  assert "| 1000 | rocketkv | 0.0 [0.0, 0.0] | 0.0 [0.0, 0.0] | 2 |" in md3
   # a full-KV-only run (no budgets) gets one score column
   full = [r for r in res["records"] if r["method"] == "full"]
   md_full = report.markdown(dict(res, records=full))
-  assert "| length | method | score | n |" in md_full and "| 2000 | full | 50.0 | 2 |" in md_full
+  assert "| length | method | score | n |" in md_full
+  assert "| 2000 | full | 50.0 [50.0, 50.0] | 2 |" in md_full
   paths = report.write_all(res, str(tmp_path), "r")
   for k in ("json", "markdown", "accuracy", "heatmap"):
     assert os.path.getsize(paths[k]) > 0

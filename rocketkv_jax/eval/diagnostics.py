@@ -5,7 +5,8 @@ exactly against the full prompt K (softmax per query head). Each (method, budget
 cache from the same prompt pass (`rocketkv.prefill`) and runs its stage-2 selection
 (`rocketkv.select`) for that query; the slots it would read map to prompt positions through
 `cache.pos`. Recall = exact attention mass on those positions (mean over query heads, layers
-and batch rows). `exact_topk` with the same budget is the best any B-token selection can do;
+and batch rows; a method's dense layers, `Method.dense_layers`, read all of it). `exact_topk`
+with the same budget is the best any B-token selection can do;
 "kept" is the mass on every token stage 1 kept (what dense attention over the evicted cache
 sees: SnapKV's whole read, RocketKV's stage-1 upper bound before stage 2).
 """
@@ -60,6 +61,11 @@ def _recall(k, v, qw, lengths, *, plan):
     return None, (kept, read)
 
   _, (kept, read) = lax.scan(one, None, (k, v, qw))
+  # The method's dense layers (Quest's first two, RocketKV's skip_layers) keep and read every
+  # prompt token: all of the mass.
+  dense = [i for i in methods_lib.get(plan.method).dense_layers(plan) if i < k.shape[0]]
+  if dense:
+    kept, read = kept.at[jnp.asarray(dense)].set(1.0), read.at[jnp.asarray(dense)].set(1.0)
   return kept, read  # [N, B] each
 
 

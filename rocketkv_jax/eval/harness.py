@@ -24,6 +24,14 @@ Multi-turn ("multiturn" in tasks): batch 1, three questions on one context, for 
     `rocketkv.begin_turn` re-runs stage 1 with that turn's window queries.
 Each turn's answer is scored on its own (task names multiturn_t1, multiturn_t2, ...).
 
+Teacher-forced gold score (`gold_score`, on by default): inside each (method, budget) decode
+program, the same freshly built cache is also fed the sample's gold answer token by token through
+the method's own decode steps (`runner`, `teacher_forced.forced_logprobs`; the ids are
+`tasks.gold_ids`), and the record gets `gold_logprob` (mean log-prob per answer token, nats),
+`gold_argmax` (share of answer tokens that were the argmax) and `gold_tokens`. Exact match flips
+on near-ties; this score moves smoothly, so it separates methods with fewer prompts. Multi-turn
+records have no gold score.
+
 Records hold no timings, so the same seed and configuration give identical records; timings
 go to the separate "timing" section.
 """
@@ -67,6 +75,7 @@ class SweepConfig:
   turns: int = 3  # multi-turn: questions answered in turn (at most 3)
   diagnostics: bool = False  # attention recall of each selection on each group's first batch
   decode: bool = True  # False: prompt passes (+ diagnostics) only, no records
+  gold_score: bool = True  # teacher-forced gold answer score per record (`gold_*` fields)
   precompile: bool = True  # compile each group's decode programs on 2 background threads
 
   def __post_init__(self):
@@ -114,6 +123,16 @@ def decode_configs(cfg: SweepConfig, names=None) -> list[tuple[str, int | None]]
   return out
 
 
+def gold_fields(logprobs: np.ndarray, is_argmax: np.ndarray, mask) -> dict:
+  """A record's teacher-forced gold score from one row's `[G]` log-probs / argmax flags and the
+  scored-token mask of `tasks.gold_ids`: mean log-prob per scored token (nats), the fraction of
+  scored tokens that were the argmax, and their count."""
+  m = np.zeros(len(logprobs), bool)
+  m[:len(mask)] = mask
+  return dict(gold_logprob=float(np.mean(logprobs[m], dtype=np.float64)),
+              gold_argmax=float(np.mean(is_argmax[m])), gold_tokens=int(m.sum()))
+
+
 def _record(sample, method, budget, tokens, prediction, score, turn=None, task=None):
   r = dict(task=task or sample.task, context_len=sample.context_len, index=sample.index,
            method=method, budget=budget, tokens=[int(t) for t in tokens], prediction=prediction,
@@ -136,11 +155,11 @@ def _extend_all(states, kt, vt, tl):
   return [rocketkv.extend(s, kt[i], vt[i], tl) for i, s in enumerate(states)]
 
 
-@functools.partial(jax.jit, static_argnames=("capacity", "chunk_size"))
-def _grow_all(states, *, capacity, chunk_size):
+@functools.partial(jax.jit, static_argnames=("capacities", "chunk_sizes"))
+def _grow_all(states, *, capacities, chunk_sizes):
   from rocketkv_jax.cache import grow
 
-  return [grow(s, capacity, chunk_size=chunk_size) for s in states]
+  return [grow(s, c, chunk_size=cs) for s, c, cs in zip(states, capacities, chunk_sizes)]
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))
@@ -254,7 +273,7 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True,
     if cfg.decode and cfg.precompile:
       runner.precompile([(m, b if b is not None else max(cfg.budgets))
                          for m, b in decode_configs(cfg)],
-                        cfg.batch_size, p, mn)
+                        cfg.batch_size, p, mn, gold=cfg.gold_score)
     for start in range(0, len(ss), cfg.batch_size):
       batch = ss[start:start + cfg.batch_size]
       ids = [tasks_lib.prompt_ids(tok, s) for s in batch]
@@ -265,6 +284,13 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True,
         raise ValueError(f"{task}@{length}: a prompt has {lengths.max()} > {p} tokens")
       for i, x in enumerate(ids):
         tokens[i, :len(x)] = x
+      gold, masks = None, []
+      if cfg.gold_score:  # teacher-forced answer ids, `[batch, mn]` (pad id 0, unscored)
+        gold = np.zeros((cfg.batch_size, mn), np.int32)
+        for i, s in enumerate(batch + [batch[-1]] * (cfg.batch_size - len(batch))):
+          g, mask = tasks_lib.gold_ids(tok, s, mn)
+          gold[i, :len(g)] = g
+          masks.append(mask)
       t0 = time.perf_counter()
       pp = runner.prompt_pass(tokens, lengths)
       pp.first.block_until_ready()
@@ -278,13 +304,16 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True,
       for method, budget in (decode_configs(cfg) if cfg.decode else []):
         t0 = time.perf_counter()
         b = budget if budget is not None else max(cfg.budgets)
-        got, _, _, _ = runner.decode(pp, method, b, mn)
+        got, _, _, _ = runner.decode(pp, method, b, mn, gold=gold)
         timing["decode_s"] += time.perf_counter() - t0
         plans[f"{method}/{budget}/{p}+{mn}"] = _plan_dict(runner.plan(method, b, p, mn))
-        for s, row in zip(batch, got):
+        for i, (s, row) in enumerate(zip(batch, got)):
           pred = tok.decode(row)
           records.append(_record(s, method, budget, row, pred, tasks_lib.score(
               s.metric, pred, s.answers, all_classes=s.meta.get("all_classes", ()))))
+          if gold is not None:
+            lp, am = runner.last_forced
+            records[-1].update(gold_fields(lp[i], am[i], masks[i]))
         bar.update(1, f"{task}@{length} {method}/{budget}")
       del pp  # this batch's K/V (3.8 GB at 8K, batch 10) is freed before the next prompt pass
   bar.close()
@@ -344,8 +373,13 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
               # chunk_size, r) is the one rocketkv_mt uses for this turn.
               tplan = runner.plan(method, b, p + t * (tpad + mn), mn)
               plans[f"multiturn/{method}/{budget}/turn{t + 1}"] = _plan_dict(tplan)
-              cap = max(tplan.capacity, states[0].capacity + tpad + mn)
-              states = _grow_all(states, capacity=cap, chunk_size=tplan.chunk_size)
+              # A dense layer (skip_layers) keeps its whole cache and no chunk summaries.
+              dense = method_obj.dense_layers(tplan)
+              states = _grow_all(
+                  states, capacities=tuple(max(tplan.capacity, st.capacity + tpad + mn)
+                                           for st in states),
+                  chunk_sizes=tuple(st.chunk_size if i in dense else tplan.chunk_size
+                                    for i, st in enumerate(states)))
             states = _extend_all(states, kt, vt, jax.numpy.asarray(tl))
             seen = states[0].seen
           got, out, steps, cache = runner.continue_decode(

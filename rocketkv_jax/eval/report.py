@@ -1,8 +1,19 @@
 """Sweep outputs: JSON (config + per-sample records), Markdown tables, matplotlib plots.
 
-Scores are reported as mean x 100 over the samples of a (task, length, method, budget). A method
-that ignores the budget ("full": `Method.uses_budget` is False) has budget None; its value is
-repeated in every budget column and it is listed first.
+Scores are reported as mean x 100 over the samples of a (task, length, method, budget), with a
+95% percentile-bootstrap interval over those samples (`stats.bootstrap_ci`, seed 0, so tables
+are reproducible). A method that ignores the budget ("full": `Method.uses_budget` is False) has
+budget None; its value is repeated in every budget column. The ceiling rows come first: `full`,
+then the `exact_topk` oracle, then the other methods in the order they ran.
+
+Records may carry the teacher-forced gold answer under the method's own cache and decode steps:
+`gold_logprob` (mean log-probability per gold token, nats), `gold_argmax` (share of gold tokens
+that were the argmax) and `gold_tokens`. Runs made before these fields existed lack them; their
+tables simply have no gold section. A per-(task, length) gold table averages the per-sample
+values over samples (each sample weighs the same, whatever its answer's length).
+
+`compare` gives the paired differences to a reference method (e.g. full KV) at one budget, for
+exact match and gold log-prob, with paired-bootstrap intervals (the README's claims).
 """
 
 from __future__ import annotations
@@ -14,6 +25,10 @@ import os
 import numpy as np
 
 from rocketkv_jax import methods as methods_lib
+from rocketkv_jax.eval import stats
+
+CEILING = ("full", "exact_topk")  # listed first in every table: full KV, then the oracle
+LEVEL, N_BOOT, SEED = 0.95, 10000, 0  # the tables' bootstrap settings
 
 
 def _budgetless(method: str) -> bool:
@@ -94,31 +109,119 @@ def aggregate(records: list[dict]) -> dict:
   return {k: (100.0 * float(np.mean(v)), len(v)) for k, v in acc.items()}
 
 
+def _sample_key(record) -> tuple[int, int]:
+  return record["index"], record.get("turn") or 0
+
+
+def _by_cell(records) -> dict:
+  """{(task, length, method, budget): [record, ...]}, each cell ordered by (sample index, turn),
+  so that its bootstrap resamples do not depend on the order records were merged in."""
+  acc = collections.defaultdict(list)
+  for r in records:
+    acc[(r["task"], r["context_len"], r["method"], r["budget"])].append(r)
+  return {k: sorted(v, key=_sample_key) for k, v in acc.items()}
+
+
+def intervals(records: list[dict], *, level: float = LEVEL, n_boot: int = N_BOOT,
+              seed: int = SEED) -> dict:
+  """{(task, length, method, budget): (mean x 100, lo x 100, hi x 100, n)}: `aggregate` with the
+  percentile-bootstrap interval of each cell's mean score."""
+  out = {}
+  for k, rs in _by_cell(records).items():
+    scores = [r["score"] for r in rs]
+    lo, hi = stats.bootstrap_ci(scores, level=level, n_boot=n_boot, seed=seed)
+    out[k] = (100.0 * float(np.mean(scores)), 100.0 * lo, 100.0 * hi, len(scores))
+  return out
+
+
+def gold_of(record: dict) -> tuple[float, float] | None:
+  """(gold_logprob, gold_argmax) of a record; None when it has no teacher-forced gold answer
+  (a run from before these fields, or an answer of no tokens). A missing argmax is NaN."""
+  lp = record.get("gold_logprob")
+  if lp is None or record.get("gold_tokens", 1) == 0 or not np.isfinite(lp):
+    return None
+  am = record.get("gold_argmax")
+  return float(lp), float("nan") if am is None else float(am)
+
+
+def gold_intervals(records: list[dict], *, level: float = LEVEL, n_boot: int = N_BOOT,
+                   seed: int = SEED) -> dict:
+  """{(task, length, method, budget): (mean gold log-prob per token, lo, hi, mean argmax rate,
+  n)} over the samples that have gold fields (`gold_of`); cells with none are left out. Means
+  are over samples; the argmax rate is NaN when no sample has one."""
+  out = {}
+  for k, rs in _by_cell(records).items():
+    g = [x for x in map(gold_of, rs) if x is not None]
+    if not g:
+      continue
+    lp = np.array([x[0] for x in g])
+    am = np.array([x[1] for x in g])
+    lo, hi = stats.bootstrap_ci(lp, level=level, n_boot=n_boot, seed=seed)
+    rate = float(np.mean(am[np.isfinite(am)])) if np.isfinite(am).any() else float("nan")
+    out[k] = (float(lp.mean()), lo, hi, rate, len(g))
+  return out
+
+
+def order_methods(methods) -> list[str]:
+  """`methods` with the ceiling first (full, then exact_topk), then the other methods that
+  ignore the budget, then the rest, each group in the given (run) order."""
+  def rank(m):
+    return CEILING.index(m) if m in CEILING else len(CEILING) + (not _budgetless(m))
+
+  return sorted(dict.fromkeys(methods), key=rank)
+
+
 def _axes(records):
   tasks = list(dict.fromkeys(r["task"] for r in records))
   lengths = sorted({r["context_len"] for r in records})
-  methods = list(dict.fromkeys(r["method"] for r in records))
-  methods = [m for m in methods if _budgetless(m)] + [m for m in methods if not _budgetless(m)]
+  methods = order_methods(r["method"] for r in records)
   budgets = sorted({r["budget"] for r in records if r["budget"] is not None})
   return tasks, lengths, methods, budgets
 
 
-def _cell(agg, key):
-  task, length, method, budget = key
-  if _budgetless(method):
-    key = (task, length, method, None)
-  v = agg.get(key)
-  return "" if v is None else f"{v[0]:.1f}"
+def _ceiling_caption(methods) -> list[str]:
+  names = dict(full="`full` (full KV)",
+               exact_topk="`exact_topk` (exact top-B attention over the full cache, an oracle)")
+  first = [names[m] for m in CEILING if m in methods]
+  if not first:
+    return []
+  return [f"Ceiling first: {' and '.join(first)}, then the methods to compare with "
+          f"{'them' if len(first) > 1 else 'it'}.", ""]
+
+
+def _ci(mean, lo, hi, fmt="{:.1f}") -> str:
+  return f"{fmt.format(mean)} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def _key(task, length, method, budget):
+  return (task, length, method, None if _budgetless(method) else budget)
+
+
+def _cell(ints, key) -> str:
+  v = ints.get(_key(*key))
+  return "" if v is None else _ci(*v[:3])
+
+
+def _gold_cell(gold, key, n_row) -> str:
+  v = gold.get(_key(*key))
+  if v is None:
+    return ""
+  lp, lo, hi, rate, n = v
+  cell = _ci(lp, lo, hi, "{:.2f}") + ("" if np.isnan(rate) else f" / {100 * rate:.0f}%")
+  return cell + ("" if n == n_row else f" (n={n})")
 
 
 def markdown(results: dict) -> str:
   recs = results["records"]
-  agg = aggregate(recs)
+  ints = intervals(recs)
+  gold = gold_intervals(recs)
+  by_cell = _by_cell(recs)
   tasks, lengths, methods, budgets = _axes(recs)
   lines = ["# Results", ""]
   c = results["config"]
   lines.append(f"Model `{c['model']['source']}`; seed {c['seed']}; greedy; samples per "
-               f"(task, length) {c['samples']}; scores are mean x 100.")
+               f"(task, length) {c['samples']}; scores are mean x 100 [{100 * LEVEL:.0f}% "
+               f"percentile-bootstrap interval over the samples, {N_BOOT} resamples, seed {SEED}].")
   lines.append("")
   cols = budgets or [None]  # a full-KV-only run has no budgets: one column
   head = " | ".join("score" if b is None else f"B={b}" for b in cols)
@@ -132,32 +235,55 @@ def markdown(results: dict) -> str:
     rest = [t for t in synth if t not in common]
     if rest:
       lines += [f"({', '.join(rest)} did not run at every length; this mean leaves them out.)", ""]
+    lines += ["Intervals: each task's samples resampled on their own (stratified bootstrap).", ""]
+    lines += _ceiling_caption([m for m in methods if any(r["method"] == m and r["task"] in common
+                                                         for r in recs)])
     lines.append(f"| length | method | {head} |")
     lines.append("|---|---|" + "---|" * len(cols))
     for length in lengths:
       for m in methods:
         if not any(r["method"] == m and r["task"] in common for r in recs):
           continue
-        cells = []
+        row = []
         for b in cols:
-          vals = [agg.get((t, length, m, None if _budgetless(m) else b)) for t in common]
-          vals = [v[0] for v in vals if v is not None]
-          cells.append(f"{np.mean(vals):.1f}" if len(vals) == len(common) else "")
-        lines.append(f"| {length} | {m} | " + " | ".join(cells) + " |")
+          groups = [[r["score"] for r in by_cell.get(_key(t, length, m, b), ())] for t in common]
+          if all(groups):
+            lo, hi = stats.stratified_bootstrap_ci(groups, level=LEVEL, n_boot=N_BOOT, seed=SEED)
+            row.append(_ci(100 * np.mean([np.mean(g) for g in groups]), 100 * lo, 100 * hi))
+          else:
+            row.append("")
+        lines.append(f"| {length} | {m} | " + " | ".join(row) + " |")
     lines.append("")
   for task in tasks:
     lines += [f"## {task}", ""]
+    lines += _ceiling_caption([m for m in methods if any(r["method"] == m and r["task"] == task
+                                                         for r in recs)])
     lines.append(f"| length | method | {head} | n |")
     lines.append("|---|---|" + "---|" * (len(cols) + 1))
     for length in lengths:
       for m in methods:
-        key0 = (task, length, m, None if _budgetless(m) else cols[0])
-        if key0 not in agg:
+        key0 = _key(task, length, m, cols[0])
+        if key0 not in ints:
           continue
-        n = agg[key0][1]
-        cells = [_cell(agg, (task, length, m, b)) for b in cols]
-        lines.append(f"| {length} | {m} | " + " | ".join(cells) + f" | {n} |")
+        row = [_cell(ints, (task, length, m, b)) for b in cols]
+        lines.append(f"| {length} | {m} | " + " | ".join(row) + f" | {ints[key0][3]} |")
     lines.append("")
+    if any(k[0] == task for k in gold):
+      lines += [f"Teacher-forced gold answer ({task}), under each method's own cache and decode "
+                "steps: mean log-probability per gold token (nats; mean over samples "
+                f"[{100 * LEVEL:.0f}% bootstrap interval]) / share of gold tokens that were the "
+                "argmax (mean over samples); n = samples with these fields.", ""]
+      lines.append(f"| length | method | {head} | n |")
+      lines.append("|---|---|" + "---|" * (len(cols) + 1))
+      for length in lengths:
+        for m in methods:
+          got = [gold[_key(task, length, m, b)] for b in cols if _key(task, length, m, b) in gold]
+          if not got:
+            continue
+          n_row = got[0][4]
+          row = [_gold_cell(gold, (task, length, m, b), n_row) for b in cols]
+          lines.append(f"| {length} | {m} | " + " | ".join(row) + f" | {n_row} |")
+      lines.append("")
   diag = results.get("diagnostics")
   if diag:
     lines += ["## Selection quality (attention recall of the last prompt query)", "",
@@ -181,6 +307,116 @@ def markdown(results: dict) -> str:
   if t:
     lines.append("Timing (s): " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(t.items())))
     lines.append("")
+  return "\n".join(lines)
+
+
+def _length_label(length: int) -> str:
+  return f"{length // 1024}K" if length % 1024 == 0 else str(length)
+
+
+def compare(results: dict, reference: str = "full", methods=None, budget: int | None = None, *,
+            level: float = LEVEL, n_boot: int = N_BOOT, seed: int = SEED) -> list[dict]:
+  """Paired differences `method - reference` per (task, length), at `budget`.
+
+  `methods` defaults to every other method of the run. Samples are paired by (index, turn);
+  a (task, length) where either side has no records is left out. Each row: task, context_len,
+  method, budget, n (paired samples), ref / score (mean x 100), diff (mean, lo, hi; x 100),
+  and, over the pairs where both records have gold fields, gold_n, ref_logprob, logprob and
+  logprob_diff (mean, lo, hi; nats per gold token), or None for those when there are none.
+  Intervals: `stats.paired_bootstrap_diff`.
+
+  Raises ValueError, before any work, for a reference, method or budget the run has no
+  records of, or a missing budget that a compared method needs.
+  """
+  recs = results["records"]
+  present = order_methods(r["method"] for r in recs)
+  budgets = sorted({r["budget"] for r in recs if r["budget"] is not None})
+  if reference not in present:
+    raise ValueError(f"reference {reference!r} has no records; methods in this run: {present}")
+  methods = [m for m in present if m != reference] if methods is None else list(methods)
+  unknown = [m for m in methods if m not in present]
+  if unknown:
+    raise ValueError(f"methods {unknown} have no records; methods in this run: {present}")
+  if reference in methods:
+    raise ValueError(f"methods must not include the reference {reference!r}")
+  if not methods:
+    raise ValueError(f"no method to compare with {reference!r}; methods in this run: {present}")
+  budgeted = [m for m in [reference] + methods if not _budgetless(m)]
+  if budgeted and budget is None:
+    raise ValueError(f"budget is required for {budgeted}; budgets in this run: {budgets}")
+  if budgeted and budget not in budgets:
+    raise ValueError(f"budget {budget!r} has no records; budgets in this run: {budgets}")
+  by_cell = _by_cell(recs)
+  tasks, lengths, _, _ = _axes(recs)
+  rows = []
+  for task in tasks:
+    for length in lengths:
+      ref = {_sample_key(r): r for r in by_cell.get(_key(task, length, reference, budget), ())}
+      if not ref:
+        continue
+      for m in methods:
+        got = {_sample_key(r): r for r in by_cell.get(_key(task, length, m, budget), ())}
+        pairs = [(got[i], ref[i]) for i in ref if i in got]  # ref is in sample order
+        if not pairs:
+          continue
+        a = [x["score"] for x, _ in pairs]
+        b = [y["score"] for _, y in pairs]
+        d = stats.paired_bootstrap_diff(a, b, level=level, n_boot=n_boot, seed=seed)
+        row = dict(task=task, context_len=length, method=m,
+                   budget=None if _budgetless(m) else budget, n=len(pairs),
+                   ref=100.0 * float(np.mean(b)), score=100.0 * float(np.mean(a)),
+                   diff=tuple(100.0 * v for v in d), gold_n=0, ref_logprob=None, logprob=None,
+                   logprob_diff=None)
+        gold = [(gold_of(x), gold_of(y)) for x, y in pairs]
+        gold = [(gx[0], gy[0]) for gx, gy in gold if gx is not None and gy is not None]
+        if gold:
+          ga, gb = [g[0] for g in gold], [g[1] for g in gold]
+          row.update(gold_n=len(gold), ref_logprob=float(np.mean(gb)),
+                     logprob=float(np.mean(ga)),
+                     logprob_diff=stats.paired_bootstrap_diff(ga, gb, level=level,
+                                                              n_boot=n_boot, seed=seed))
+        rows.append(row)
+  return rows
+
+
+def _side(lo: float, hi: float) -> str:
+  return "below" if hi < 0 else "above" if lo > 0 else "zero"
+
+
+def compare_markdown(results: dict, reference: str = "full", methods=None,
+                     budget: int | None = None) -> str:
+  """`compare` as a Markdown table, then one line per method counting the (task, length) cells
+  whose interval lies below 0, above 0, or contains 0."""
+  rows = compare(results, reference, methods, budget)
+  at = "" if budget is None else f" at B={budget}"
+  lines = [f"Paired differences to {reference}{at} (method - {reference}), per (task, length), "
+           f"over the samples both scored, with {100 * LEVEL:.0f}% paired-bootstrap intervals "
+           f"({N_BOOT} resamples, seed {SEED}). Score: the task's score (exact match) x 100. "
+           "Gold log-prob: "
+           "teacher-forced mean log-probability per gold token (nats), under each method's own "
+           "cache and decode steps; empty where the records lack it.", "",
+           f"| task | length | method | n | {reference} | method | diff [lo, hi] | gold n | "
+           f"{reference} log-prob | method log-prob | diff [lo, hi] |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    g = ("| | | |" if r["logprob_diff"] is None else
+         f"| {r['ref_logprob']:.3f} | {r['logprob']:.3f} | "
+         "{:+.3f} [{:+.3f}, {:+.3f}] |".format(*r["logprob_diff"]))
+    lines.append(f"| {r['task']} | {_length_label(r['context_len'])} | {r['method']} | {r['n']} "
+                 f"| {r['ref']:.1f} | {r['score']:.1f} | {r['diff'][0]:+.1f} "
+                 f"[{r['diff'][1]:+.1f}, {r['diff'][2]:+.1f}] | {r['gold_n'] or ''} " + g)
+  lines.append("")
+  for m in dict.fromkeys(r["method"] for r in rows):
+    mine = [r for r in rows if r["method"] == m]
+    em = collections.Counter(_side(*r["diff"][1:]) for r in mine)
+    text = (f"{m}: exact match below {reference} in {em['below']} of {len(mine)} (task, length) "
+            f"cells, above in {em['above']}, interval contains 0 in {em['zero']}")
+    lp = [r for r in mine if r["logprob_diff"] is not None]
+    if lp:
+      gc = collections.Counter(_side(*r["logprob_diff"][1:]) for r in lp)
+      text += (f"; gold log-prob below in {gc['below']} of {len(lp)}, above in {gc['above']}, "
+               f"contains 0 in {gc['zero']}")
+    lines.append(text + ".")
   return "\n".join(lines)
 
 

@@ -36,7 +36,9 @@ from jax import lax
 import numpy as np
 
 import rocketkv_jax as rocketkv
-from rocketkv_jax import decode_loop, sampling
+from rocketkv_jax import decode_loop, sampling, teacher_forced
+from rocketkv_jax import methods as methods_lib
+from rocketkv_jax.config import check_num_layers
 from rocketkv_jax.eval import variants
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.precision import compute_params
@@ -76,6 +78,7 @@ class PromptPass:
     q_window: `[N, B, Hq, W, Dh]` post-RoPE queries of the last W valid tokens.
     lengths: `[B]` int32 valid prompt lengths.
     first: `[B]` int32 greedy first generated token (same for every method).
+    first_logits: `[B, V]` fp32 logits at each prompt's last token (they predict `first`).
   """
 
   k: jax.Array
@@ -83,6 +86,7 @@ class PromptPass:
   q_window: jax.Array
   lengths: jax.Array
   first: jax.Array
+  first_logits: jax.Array
 
   @property
   def padded_len(self) -> int:
@@ -96,10 +100,11 @@ class PromptPass:
 @functools.partial(jax.jit, static_argnames=("config", "window", "block_size"))
 def _prompt_pass(params, tokens, lengths, *, config, window, block_size):
   last, outs = llama.prompt_pass(params, tokens, lengths, config=config, window=window,
-                                 block_size=block_size, per_layer=lambda k, v, qw: (k, v, qw))
+                                 block_size=block_size,
+                                 per_layer=lambda k, v, qw, layer: (k, v, qw))
   ks, vs, qws = (jnp.stack(xs) for xs in zip(*outs))
   logits = llama.unembed(params, config, last)
-  return jnp.argmax(logits, axis=-1).astype(jnp.int32), ks, vs, qws
+  return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, ks, vs, qws
 
 
 def _greedy_loop(params, cache, first, seen, eos, *, config, plan, max_new_tokens):
@@ -112,21 +117,37 @@ def _greedy_loop(params, cache, first, seen, eos, *, config, plan, max_new_token
 
 
 def _build_states(k, v, qw, lengths, plan):
-  """Per-layer method states from the stored prompt K/V (scanned over layers)."""
+  """Per-layer method states from the stored prompt K/V (scanned over layers). The method's
+  dense layers (`layer=i`: every prompt token kept, a state of another shape) are built one by
+  one and replace the scan's (unused) states for those layers."""
   def one(_, xs):
     kk, vv, qq = xs
     return None, rocketkv.prefill(kk, vv, qq, plan, lengths=lengths)
 
+  n = k.shape[0]
   _, states = lax.scan(one, None, (k, v, qw))
-  return _unstack(states, k.shape[0])
+  states = _unstack(states, n)
+  for i in methods_lib.get(plan.method).dense_layers(plan):
+    if i < n:
+      states[i] = rocketkv.prefill(k[i], v[i], qw[i], plan, lengths=lengths, layer=i)
+  return states
 
 
-def _method_decode_impl(params, k, v, qw, lengths, first, eos, *, config, plan, max_new_tokens,
-                        keep_cache):
+def _method_decode_impl(params, k, v, qw, lengths, first, eos, gold=None, *, config, plan,
+                        max_new_tokens, keep_cache):
+  """Builds the method's cache, decodes greedily and, when `gold` = (first_logits `[B, V]`,
+  forced ids `[B, G]`) is given, teacher-forces the gold ids from the same cache
+  (`teacher_forced.forced_logprobs`): the per-token log-probs `[B, G]` and argmax flags."""
   cache = _cache_layout(params, _build_states(k, v, qw, lengths, plan))
+  forced = None
+  if gold is not None:
+    first_logits, ids = gold
+    lp, am, _, _ = teacher_forced.forced_logprobs(compute_params(params), cache, first_logits,
+                                                  ids, lengths, config=config, plan=plan)
+    forced = (lp, am)
   out, steps, cache = _greedy_loop(params, cache, first, lengths, eos, config=config, plan=plan,
                                    max_new_tokens=max_new_tokens)
-  return out, steps, (cache if keep_cache else None)
+  return out, steps, (cache if keep_cache else None), forced
 
 
 _method_decode = jax.jit(_method_decode_impl, static_argnames=(
@@ -171,6 +192,7 @@ class Runner:
       eos_token_ids = decode_loop.default_eos_ids(model)
     self.eos_token_ids = tuple(int(e) for e in eos_token_ids)
     self._eos = decode_loop.eos_array(self.eos_token_ids)
+    self.last_forced = None  # (log-probs, is-argmax) `[B, G]` of the last `decode(gold=...)`
 
   # ---------------------------------------------------------------- helpers
   def rocket_config(self, method: str, token_budget: int) -> "rocketkv.RocketConfig":
@@ -179,8 +201,10 @@ class Runner:
                                   page_size=self.quest_page_size)
 
   def plan(self, method: str, token_budget: int, prompt_len: int, max_new_tokens: int):
-    return rocketkv.plan(self.rocket_config(method, token_budget), prompt_len, max_new_tokens,
+    plan = rocketkv.plan(self.rocket_config(method, token_budget), prompt_len, max_new_tokens,
                          self.config.head_dim)
+    check_num_layers(plan, self.config.num_layers)
+    return plan
 
   def strip(self, out: np.ndarray, steps: int) -> list[list[int]]:
     """Rows of generated ids cut at the first EOS (EOS dropped), as `rocketkv.generate`."""
@@ -197,42 +221,52 @@ class Runner:
     if lengths.min() < 1 or lengths.max() > tokens.shape[1]:
       raise ValueError(f"lengths must be in [1, {tokens.shape[1]}], got {lengths.tolist()}")
     lj = jnp.asarray(lengths)
-    first, k, v, qw = _prompt_pass(self.model.params, jnp.asarray(tokens), lj,
-                                   config=self.config, window=self.window_size,
-                                   block_size=self.block_size)
-    return PromptPass(k=k, v=v, q_window=qw, lengths=lj, first=first)
+    first, logits, k, v, qw = _prompt_pass(self.model.params, jnp.asarray(tokens), lj,
+                                           config=self.config, window=self.window_size,
+                                           block_size=self.block_size)
+    return PromptPass(k=k, v=v, q_window=qw, lengths=lj, first=first, first_logits=logits)
 
   def decode(self, pp: PromptPass, method: str, token_budget: int, max_new_tokens: int, *,
-             keep_cache: bool = False, max_new_for_plan: int | None = None):
+             keep_cache: bool = False, max_new_for_plan: int | None = None, gold=None):
     """Builds `method`'s cache from the prompt pass and decodes greedily.
 
     Returns (tokens per row (EOS-stripped), raw output `[B, max_new]`, steps, cache or None).
     `max_new_for_plan` sizes the plan for more tokens than this call decodes (multi-turn).
+    `gold`: `[B, max_new_tokens]` int32 ids to teacher-force from the same cache (see
+    `gold_scores`); then `self.last_forced` holds (log-probs, is-argmax), each `[B, G]` numpy.
     """
     if self.config.max_position_embeddings < pp.padded_len + max_new_tokens:
       raise ValueError(f"prompt ({pp.padded_len}) + max_new_tokens ({max_new_tokens}) exceeds "
                        f"the model's context of {self.config.max_position_embeddings}")
     plan = self.plan(method, token_budget, pp.padded_len, max_new_for_plan or max_new_tokens)
     args = (self.model.params, pp.k, pp.v, pp.q_window, pp.lengths, pp.first, self._eos)
-    key = self._key(plan, pp.k.shape, pp.q_window.shape, max_new_tokens, keep_cache)
+    if gold is not None:
+      gold = np.asarray(gold, np.int32)
+      if gold.shape != (pp.batch, max_new_tokens):
+        raise ValueError(f"gold must be [B, max_new_tokens] = {(pp.batch, max_new_tokens)}, "
+                         f"got {gold.shape}")
+      args += ((pp.first_logits, jnp.asarray(gold)),)
+    key = self._key(plan, pp.k.shape, pp.q_window.shape, max_new_tokens, keep_cache,
+                    gold is not None)
     if key in self._futures:  # compiled ahead of time (see `precompile`)
-      out, steps, cache = self._futures[key].result()(*args)
+      out, steps, cache, forced = self._futures[key].result()(*args)
     else:
-      out, steps, cache = _method_decode(
+      out, steps, cache, forced = _method_decode(
           *args, config=self.config, plan=plan, max_new_tokens=max_new_tokens,
           keep_cache=keep_cache)
+    self.last_forced = None if forced is None else tuple(np.asarray(x) for x in forced)
     out = np.asarray(out)
     steps = int(steps)
     return self.strip(out, steps), out, steps, cache
 
   # ---------------------------------------------------------------- ahead-of-time compiles
-  def _key(self, plan, k_shape, qw_shape, max_new_tokens, keep_cache):
+  def _key(self, plan, k_shape, qw_shape, max_new_tokens, keep_cache, gold=False):
     dt = str(self.model.params["embed"].dtype)
     return (self.config, dt, plan, tuple(k_shape), tuple(qw_shape), int(max_new_tokens),
-            bool(keep_cache))
+            bool(keep_cache), bool(gold))
 
   def precompile(self, configs, batch: int, padded_len: int, max_new_tokens: int,
-                 workers: int = 2) -> None:
+                 workers: int = 2, gold: bool = False) -> None:
     """Starts compiling the decode programs of `configs` [(method, budget)] for a batch of
     `batch` prompts padded to `padded_len`, on `workers` background threads (XLA compiles are
     single-threaded, so they overlap with each other and with prompt passes); `decode` then
@@ -248,14 +282,16 @@ class Runner:
     k = sds((c.num_layers, batch, c.num_kv_heads, padded_len, c.head_dim), dt)
     qw = sds((c.num_layers, batch, c.num_heads, w, c.head_dim), dt)
     vec = sds((batch,), jnp.int32)
+    gold_sds = ((sds((batch, c.vocab_size), jnp.float32),
+                 sds((batch, max_new_tokens), jnp.int32)),) if gold else ()
     for method, budget in configs:
       plan = self.plan(method, budget, padded_len, max_new_tokens)
-      key = self._key(plan, k.shape, qw.shape, max_new_tokens, False)
+      key = self._key(plan, k.shape, qw.shape, max_new_tokens, False, gold)
       if key in self._futures:
         continue
       static = dict(config=c, plan=plan, max_new_tokens=int(max_new_tokens), keep_cache=False)
       fn = jax.jit(functools.partial(_method_decode_impl, **static))
-      args = (self.model.params, k, k, qw, vec, vec, self._eos)
+      args = (self.model.params, k, k, qw, vec, vec, self._eos) + gold_sds
       self._futures[key] = _POOL[0].submit(lambda fn=fn, args=args: fn.lower(*args).compile())
 
   def release_compiled(self) -> None:

@@ -379,3 +379,34 @@ def score(metric: str, prediction: str, answers: list[str], **kw) -> float:
   from rocketkv_jax.eval import metrics
 
   return metrics.score(metric, prediction, answers, **kw)
+
+
+def gold_ids(tokenizer, sample: Sample, limit: int) -> tuple[list[int], list[bool]]:
+  """The gold continuation a sample is teacher-forced with, and which of its tokens are scored.
+
+  The continuation is `" " + answers joined by ", "` right after `prompt_ids(sample)` (the
+  answer prefix, where the task has one, already ends the prompt; niah_single / niah_multikey
+  ask with the prefix at the end of the user message, so the assistant turn starts with the
+  number). Only the answers' own tokens are scored (`mask` True), not the spaces and commas
+  between them: what a KV method can lose is the needle's digits, and the separators' log-probs
+  would only dilute the mean. LongBench samples are forced with their first reference answer.
+  The pieces are tokenized one by one, so a token never straddles an answer and a separator.
+  At most `limit` tokens (the sweep's generation length, which sizes the method's cache for
+  `limit - 1` forced steps); answers that do not fit are cut.
+
+  Returns:
+    (ids, mask): equal-length lists, at least one scored token.
+  """
+  answers = list(sample.answers[:1] if sample.task.startswith("lb_") else sample.answers)
+  ids: list[int] = []
+  mask: list[bool] = []
+  for i, a in enumerate(answers):
+    for text, scored in (("," if i else "", False), (" ", False), (str(a).strip(), True)):
+      piece = tokenizer.encode(text, add_special_tokens=False) if text else []
+      ids += piece
+      mask += [scored] * len(piece)
+  ids, mask = ids[:limit], mask[:limit]
+  if not any(mask):
+    raise ValueError(f"{sample.task} sample {sample.index}: no answer token fits in "
+                     f"{limit} forced tokens")
+  return ids, mask

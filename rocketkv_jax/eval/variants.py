@@ -8,6 +8,7 @@ A method spec is a name from `rocketkv.METHODS`, optionally followed by `:` and 
     rocketkv:top_k=B                stage 2 reads B tokens instead of B/2
     rocketkv:stage2=rerank          stage 2 re-ranks the chunk bounds' candidates per token
     rocketkv:stage2=lowrank,lowrank_rank=4   page-local low-rank key summaries (RocketConfig)
+    rocketkv:skip_layers=2          layers 0 and 1 keep their whole cache and attend densely
     snapkv:window_size=16
 
 Values are integers, floats (`alpha`, `rerank_factor`), names (`stage2`: one of
@@ -20,14 +21,12 @@ never to tune it to a test set.
 
 from __future__ import annotations
 
-import dataclasses
-
 import rocketkv_jax as rocketkv
 from rocketkv_jax.config import STAGE2
 
 OVERRIDABLE = ("alpha", "capacity", "prompt_budget", "top_k", "chunk_size", "r", "window_size",
                "kernel_size", "page_size", "sink_size", "stage2", "rerank_factor",
-               "lowrank_page_size", "lowrank_rank")
+               "lowrank_page_size", "lowrank_rank", "skip_layers")
 _FLOATS = ("alpha", "rerank_factor")
 
 
@@ -73,8 +72,9 @@ def rocket_config(spec: str, token_budget: int, **defaults) -> "rocketkv.RocketC
   base, overrides = parse(spec)
   fields = dict(defaults)
   fields.update({k: (int(token_budget) if v == "B" else v) for k, v in overrides.items()})
-  cfg = rocketkv.RocketConfig(token_budget=int(token_budget), method=base)
-  return dataclasses.replace(cfg, **fields)
+  # One construction with every field: checks that depend on several fields (token_budget >=
+  # window_size) see the values asked for, not the defaults.
+  return rocketkv.RocketConfig(token_budget=int(token_budget), method=base, **fields)
 
 
 def base_method(spec: str) -> str:

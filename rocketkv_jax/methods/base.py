@@ -5,7 +5,8 @@ everything specific to it:
 
     check_config(config)               its RocketConfig rules (ValueError, before tracing)
     split(config, prompt_len, new, D)  its Plan fields: the budget split
-    prefill(k, v, q_window, plan)      its per-layer decode state (any pytree)
+    prefill(k, v, q_window, plan)      its per-layer decode state (any pytree); `dense=True`
+                                       for a layer of `dense_layers` (keep every token)
     view(state)                        the KVCache inside that state which attention reads
     select(q, state, plan)             its per-step read: int32 [B, Hkv, K] slots of view(state)
     decode_step(q, k, v, state, plan)  one step over its state (default: append -> select ->
@@ -15,7 +16,13 @@ everything specific to it:
 
 and a few class-level facts the harness and `generate` read instead of its name: `summary`
 (what B means for it), `dense`, `uses_budget`, `keeps_full_cache`, `replan_per_turn`,
-`stage2_variants` (the `RocketConfig.stage2` values it accepts).
+`stage2_variants` (the `RocketConfig.stage2` values it accepts), `accepts_skip_layers` (whether
+`RocketConfig.skip_layers` may be other than 0).
+
+Dense layers (`dense_layers`: Quest's first two, RocketKV's `skip_layers`) are chosen by the
+method from the layer index that `rocketkv.prefill` / `rocketkv.decode_step` receive as
+`layer=i`: their prefill keeps every prompt token (`dense=True`) and every decode step attends
+to every cached token. Statistics count their whole cache (`layer_reads`).
 
 The base class is the uncompressed, dense method ("full"): every default below is correct for
 it, and a new method overrides only what differs.
@@ -24,7 +31,7 @@ it, and a new method overrides only what differs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import jax
 
@@ -47,6 +54,8 @@ class Method:
   replan_per_turn: ClassVar[bool] = False  # multi-turn: the split is re-made for each turn
   # RocketConfig.stage2 values it accepts: variants of its stage-2 read (methods/rocketkv.py).
   stage2_variants: ClassVar[tuple[str, ...]] = ("minmax",)
+  # RocketConfig.skip_layers may be > 0: `split` puts it in the Plan, `dense_layers` reads it.
+  accepts_skip_layers: ClassVar[bool] = False
 
   # ---------------------------------------------------------------- configuration
   def check_config(self, config) -> None:
@@ -61,9 +70,12 @@ class Method:
 
   # ---------------------------------------------------------------- state
   def prefill(self, k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
-              lengths: jax.Array | None = None, impl: str = "auto") -> Any:
-    """One layer's decode state from its prompt K/V `[B, Hkv, L, D]` (inputs already checked)."""
-    del q_window, impl
+              lengths: jax.Array | None = None, impl: str = "auto", dense: bool = False) -> Any:
+    """One layer's decode state from its prompt K/V `[B, Hkv, L, D]` (inputs already checked).
+
+    `dense`: the layer is one of `dense_layers(plan)` and must keep every prompt token (the
+    default keeps every token either way)."""
+    del q_window, impl, dense
     return full_cache(k, v, plan.capacity, plan.chunk_size, lengths)
 
   def view(self, state) -> KVCache:
@@ -95,7 +107,7 @@ class Method:
     return attend(q, new, idx, sliding_window=sliding_window, impl=impl), new
 
   def dense_layers(self, plan: Plan) -> tuple[int, ...]:
-    """Layer indices whose decode steps attend densely to the method's cache."""
+    """Layer indices whose prefill keeps every token and whose decode steps attend densely."""
     del plan
     return ()
 
@@ -104,6 +116,21 @@ class Method:
     """K/V tokens one decode step reads once `kept` prompt tokens and `steps` new ones are
     cached: `top_k` of them for a selecting method, all of them for a dense one."""
     return min(plan.top_k, kept + steps) if plan.top_k else kept + steps
+
+  def layer_reads(self, plan: Plan, kept: Sequence[int], steps: int) -> list[int]:
+    """Per layer, the K/V tokens one decode step reads once `kept[i]` prompt tokens (layer i)
+    and `steps` new ones are cached: `tokens_read`, except that a dense layer
+    (`dense_layers`) reads every cached token."""
+    dense = set(self.dense_layers(plan))
+    return [n + steps if i in dense else self.tokens_read(plan, n, steps)
+            for i, n in enumerate(kept)]
+
+
+def dense_layer_cache(k: jax.Array, v: jax.Array, plan: Plan,
+                      lengths: jax.Array | None = None) -> KVCache:
+  """A dense layer's cache: every prompt token of `k, v [B, Hkv, L, D]` and room for every new
+  token, without chunk summaries (its decode steps read every slot and select none)."""
+  return full_cache(k, v, max(plan.prompt_len, k.shape[2]) + plan.max_new_tokens, 0, lengths)
 
 
 def checked_append(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache) -> KVCache:

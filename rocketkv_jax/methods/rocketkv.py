@@ -15,6 +15,11 @@ Stage 2 has variants, `RocketConfig.stage2` (`STAGE2`), all owned here:
 - "lowrank": page-local low-rank key summaries score every slot (stage2_lowrank.py). The state
   is a `LowRankState` (the cache, no chunk summaries, plus its prompt-key summaries); `view`
   gives its `KVCache`.
+
+`RocketConfig.skip_layers` = N (`Plan.skip_layers`): layers 0..N-1 are `dense_layers`. Their
+prefill keeps every prompt token in a `KVCache` without summaries (`dense_layer_cache`, for every
+stage-2 variant) and every decode step attends to all of it: an ablation that reads about
+N / num_layers of the full cache per step on top of the sparse layers' read.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ from rocketkv_jax.attend import attend, attend_dense_before_append
 from rocketkv_jax.budget import paper_split
 from rocketkv_jax.cache import valid_slots
 from rocketkv_jax.evict import evict
-from rocketkv_jax.methods.base import (Method, checked_append, require_half_budget,
-                                       require_window_budget)
+from rocketkv_jax.methods.base import (Method, checked_append, dense_layer_cache,
+                                       require_half_budget, require_window_budget)
 from rocketkv_jax.methods.sparq import approx_select
 from rocketkv_jax.select import approx_scores, check_chunks
 from rocketkv_jax.stage2_lowrank import LowRankState
@@ -44,6 +49,7 @@ class RocketKV(Method):
   dense = False
   replan_per_turn = True
   stage2_variants = STAGE2
+  accepts_skip_layers = True
 
   def check_config(self, config):
     require_window_budget(config)
@@ -55,7 +61,8 @@ class RocketKV(Method):
     require_int("lowrank_rank", config.lowrank_rank, 1, config.lowrank_page_size)
 
   def split(self, config, prompt_len, max_new_tokens, head_dim):
-    split = paper_split(config, prompt_len, max_new_tokens, head_dim)
+    split = dict(paper_split(config, prompt_len, max_new_tokens, head_dim),
+                 skip_layers=config.skip_layers)
     if config.stage2 == "rerank":
       top_k = split["top_k"]
       split.update(stage2="rerank",
@@ -68,7 +75,9 @@ class RocketKV(Method):
                    lowrank_rank=config.lowrank_rank)
     return split
 
-  def prefill(self, k, v, q_window, plan, *, lengths=None, impl="auto"):
+  def prefill(self, k, v, q_window, plan, *, lengths=None, impl="auto", dense=False):
+    if dense:  # a skipped layer: every prompt token, no stage 1 and no stage-2 summaries
+      return dense_layer_cache(k, v, plan, lengths)
     return stage2_lowrank.attach(evict(k, v, q_window, plan, lengths=lengths, impl=impl), plan)
 
   def view(self, state):
@@ -79,7 +88,8 @@ class RocketKV(Method):
 
   def decode_step(self, q, k_new, v_new, state, plan, *, dense=False, sliding_window=None,
                   impl="auto"):
-    require(isinstance(state, LowRankState) == (plan.stage2 == "lowrank"),
+    # A dense layer reads no stage-2 summaries: its state is a plain KVCache for every variant.
+    require(dense or isinstance(state, LowRankState) == (plan.stage2 == "lowrank"),
             f"a stage2={plan.stage2!r} plan needs the state its prefill built, got {type(state)}")
     cache = self.view(state)
     new = checked_append(q, k_new, v_new, cache)
@@ -92,6 +102,10 @@ class RocketKV(Method):
                                           impl=impl), new_state)
     idx = stage2_select(q, new_state, plan, sliding_window=sliding_window, impl=impl)
     return attend(q, new, idx, sliding_window=sliding_window, impl=impl), new_state
+
+
+  def dense_layers(self, plan):
+    return tuple(range(plan.skip_layers))
 
 
 def stage2_select(q, state, plan, *, sliding_window=None, impl="auto"):

@@ -24,5 +24,6 @@ class SnapKV(Method):
     return dict(capacity=pb + max_new_tokens, prompt_budget=pb, top_k=0, chunk_size=0,
                 r=head_dim)
 
-  def prefill(self, k, v, q_window, plan, *, lengths=None, impl="auto"):
+  def prefill(self, k, v, q_window, plan, *, lengths=None, impl="auto", dense=False):
+    del dense  # no dense layers
     return evict(k, v, q_window, plan, lengths=lengths, impl=impl)

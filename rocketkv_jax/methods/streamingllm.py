@@ -31,7 +31,8 @@ class StreamingLLM(Method):
     return dict(capacity=pb + max_new_tokens, prompt_budget=pb,
                 top_k=config.top_k or config.token_budget, chunk_size=0, r=head_dim)
 
-  def prefill(self, k, v, q_window, plan, *, lengths=None, impl="auto"):
+  def prefill(self, k, v, q_window, plan, *, lengths=None, impl="auto", dense=False):
+    del dense  # no dense layers
     return evict_streaming(k, v, plan, lengths=lengths)
 
   def select(self, q, cache, plan, *, sliding_window=None, impl="auto"):
