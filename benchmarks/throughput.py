@@ -1,7 +1,8 @@
 """Batched long-context throughput and memory: our full KV, SnapKV and RocketKV against
 transformers' own `generate` (full KV) on the same ragged prompt batches.
 
-    python benchmarks/throughput.py                                   # the whole grid (hours)
+    python benchmarks/throughput.py                                   # 4K and 8K, batch 1/4/8
+    python benchmarks/throughput.py --lengths 4096 --batches 16       # batch 16 where it fits
     python benchmarks/throughput.py --lengths 1024 --batches 1,4 --new-tokens 16 \\
         --methods full,rocketkv,transformers --budgets 256               # a smoke run
     python benchmarks/throughput.py --profile-prefill --lengths 2048 --batches 4
@@ -27,28 +28,40 @@ Reported per row:
   * decode tok/s: generated tokens of all sequences per second over the N-1 decode steps
     after the prompt pass (ours: `stats["decode_tokens_per_s"]`; transformers: between its
     first and last logits processor calls, which bracket the same N-1 forward passes).
+    `decode ms/step` is the same wall time per step, `decode CPU ms/step` the process's CPU
+    time per step.
   * compile s: ours, prefill + decode compilation (never in the times above).
   * KV MB: the KV state kept for decoding (ours: every layer's state with metadata and room
     for the new tokens; transformers: its DynamicCache after the last step).
   * peak RSS MB prefill / decode / process: the child's VmHWM (/proc/self/status) over that
-    phase. The high-water mark is reset at each phase boundary (write "5" to
-    /proc/self/clear_refs), so the decode peak excludes the prompt pass and the compiles;
+    phase. At each phase boundary freed heap pages go back to the OS (glibc `malloc_trim`)
+    and the high-water mark is reset (write "5" to /proc/self/clear_refs), so the decode peak
+    excludes the prompt pass and the compiles and starts from the memory still in use;
     "process" is the largest of all phases, loading and compiling included. Ours: phases are
     cut where `rocketkv.generate` compiles (this script wraps its private `_compiled`, the one
     call between prefill and decode). Where the reset is refused, every peak is cumulative and
-    the table says so.
-Then the issue's targets (issue #16) as ratios of rows of this run, each marked met / NOT met,
-for every (length, dtype, batch) with the rows they need.
+    the header says so.
+Then the issue's targets (issue #16) as ratios of rows of this run, each marked met / NOT met
+by wall time with the CPU-time ratio beside it, for every (length, dtype, batch) that has the
+rows a target needs.
+
+transformers loads its own dequantisation of the GGUF file (`gguf_file=`; the weights ours
+loads, as the parity tests check), converted once per run into a temporary safetensors
+directory that every transformers row loads: its GGUF path takes minutes per load.
 
 Output: `throughput.md` and `throughput.json` in --out (default a new git-ignored
 `runs/throughput-<timestamp>/`; a folder holding files takes --overwrite), rewritten after
 every row so an interrupted grid keeps what it measured.
 
---profile-prefill: per (length, batch, dtype), the prompt pass of `full` and of `rocketkv` at
-the first budget, compiled as `generate` compiles them, timed (best of --profile-calls) and
-traced with XLA:CPU's per-op trace events (`--xla_cpu_enable_xprof_traceme`). Every op is
-attributed to the source line its HLO metadata names, and ops are summed per line; it prints
-the lines that cost more in rocketkv's prompt pass than in full's (stage 1, per op).
+--profile-prefill: per (length, batch, dtype), full and rocketkv at the first budget, each
+compiled once, run once to warm up, then --profile-calls calls traced with XLA:CPU's per-op
+trace events (`--xla_cpu_enable_xprof_traceme`): (1) the whole prompt pass
+(`llama.prefill`, skipped by --layer-only) and (2) one layer's KV-state build
+(`rocketkv.prefill` on random K/V of the model's shapes: for rocketkv that is stage 1). Every
+op is attributed to the source lines of its HLO metadata (its stack frame and the caller's),
+ops are summed per source, and it prints wall and CPU time per call and the sources whose cost
+differs most between the two methods. Trace durations are wall time: on a loaded machine
+compare them with each other, and trust the CPU time per call for totals.
 """
 
 from __future__ import annotations
@@ -271,6 +284,11 @@ def _convert(spec: dict) -> dict:
 
   directory, name = os.path.split(spec["model"])
   model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+  # The weights are plain dequantised fp32 tensors (nn.Linear); only the GGUF quantizer object
+  # refuses to save them. Without it and its config entry, the copy is an ordinary checkpoint.
+  model.hf_quantizer = None
+  if hasattr(model.config, "quantization_config"):
+    del model.config.quantization_config
   model.save_pretrained(spec["to"], safe_serialization=True)
   return dict(path=spec["to"])
 
@@ -284,40 +302,82 @@ def _run_row(spec: dict) -> dict:
 
 
 # --------------------------------------------------------------------------- prefill profile
-_SKIP = ("Thunk", "Pjit", "PjRt", "$")  # runtime / Python frames, not ops
+_SKIP = ("Thunk", "Pjit", "PjRt", "$", "SlinkyThreadPool", "Handle inputs", "ParseArguments",
+         "AllocateOutputBuffers", "PythonRefManager", "end: ")  # runtime frames, not ops
 
 
 def _hlo_sources(hlo_text: str) -> dict[str, str]:
-  """HLO instruction name -> "file:line (op)" from its metadata; a fusion takes the metadata of
-  the instruction it names, else of its fused computation's root."""
-  src: dict[str, str] = {}
-  comp_root: dict[str, str] = {}
-  comp = None
+  """HLO instruction name -> "file:line function < caller file:line function (op)", from the
+  instruction's metadata (`stack_frame_id` into the module's StackFrames table)."""
+  tables: dict[str, dict[int, str]] = collections.defaultdict(dict)
+  section = None
   for line in hlo_text.splitlines():
-    m = re.match(r"\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-    if m and "=" not in line.split("{")[0]:
-      comp = m.group(1)
+    if line.strip() in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      section = line.strip()
       continue
-    m = re.match(r"\s*(ROOT\s+)?%?([\w.\-]+) = ", line)
+    m = re.match(r"(\d+) (.*)$", line)
+    if section and m:
+      tables[section][int(m.group(1))] = m.group(2)
+    elif not line.strip():
+      section = None
+  field = lambda text, name: int(re.search(rf"{name}=(\d+)", text).group(1))
+
+  def frame(i: int) -> tuple[str, int]:
+    loc = tables["FileLocations"][field(tables["StackFrames"][i], "file_location_id")]
+    name = tables["FileNames"][field(loc, "file_name_id")].strip('"')
+    func = tables["FunctionNames"][field(loc, "function_name_id")].strip('"')
+    # parent_frame_id is one more than the parent's id; 0 is no parent (the root)
+    return (f"{os.path.basename(name)}:{field(loc, 'line')} {func}",
+            field(tables["StackFrames"][i], "parent_frame_id") - 1)
+
+  src: dict[str, str] = {}
+  for line in hlo_text.splitlines():
+    m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+) = .*metadata=\{([^}]*)\}", line)
     if not m:
       continue
-    meta = re.search(r'source_file="([^"]+)" source_line=(\d+)', line)
-    opn = re.search(r'op_name="([^"]+)"', line)
-    if meta:
-      where = f"{os.path.basename(meta.group(1))}:{meta.group(2)}"
-      if opn:
-        where += f" ({opn.group(1).split('/')[-1]})"
-      src[m.group(2)] = where
-      if m.group(1) and comp:
-        comp_root[comp] = where
-    calls = re.search(r"calls=%?([\w.\-]+)", line)
-    if m.group(2) not in src and calls and calls.group(1) in comp_root:
-      src[m.group(2)] = comp_root[calls.group(1)]
+    op = re.search(r'op_name="([^"]+)"', m.group(2))
+    sf = re.search(r"stack_frame_id=(\d+)", m.group(2))
+    where = []
+    try:
+      i = int(sf.group(1)) if sf else 0
+      while i > 0 and len(where) < 2:
+        text, parent = frame(i)
+        where.append(text)
+        i = parent if parent != i else 0
+    except (KeyError, AttributeError):
+      pass
+    label = " < ".join(where) or "?"
+    src[m.group(1)] = label + (f" ({op.group(1).split('/')[-1]})" if op else "")
   return src
 
 
+def _trace_ms(fn, args, calls: int) -> tuple[dict[str, float], float, float]:
+  """(ms per call by source line of every traced op, best wall s, CPU s per call) of a
+  compiled `fn(*args)` over `calls` traced calls."""
+  import jax
+
+  jax.block_until_ready(fn(*args))  # warm up
+  best, cpu0 = float("inf"), _cpu_s()
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+      for _ in range(calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    cpu = (_cpu_s() - cpu0) / calls
+    path = sorted(glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True))[-1]
+    events = json.load(gzip.open(path))
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  src = _hlo_sources(fn.as_text())
+  per_src: collections.Counter = collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and not any(s in e["name"] for s in _SKIP):
+      per_src[src.get(e["name"], e["name"])] += e.get("dur", 0) / calls / 1e3
+  return dict(per_src), best, cpu
+
+
 def _profile_row(spec: dict) -> dict:
-  """Per-op profile of the prompt passes of full and of rocketkv (see the module docstring)."""
+  """Per-op profiles of full's and rocketkv's prompt pass and of one layer's state build."""
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_cpu_enable_xprof_traceme=true").strip()
   import functools
@@ -332,49 +392,55 @@ def _profile_row(spec: dict) -> dict:
   with open(spec["prompts"]) as f:
     ids = json.load(f)[f"{spec['length']}x{spec['batch']}"]
   model = rocketkv.models.load(spec["model"], dtype=getattr(jnp, spec["dtype"]))
+  cfg = model.config
   lengths = np.array([len(p) for p in ids], np.int32)
   tokens = np.zeros((len(ids), lengths.max()), np.int32)
   for i, p in enumerate(ids):
     tokens[i, :len(p)] = p
   tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+  b, n = tokens.shape
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  kv_dtype = model.params["embed"].dtype
+  k = jax.random.normal(keys[0], (b, cfg.num_kv_heads, n, cfg.head_dim), kv_dtype)
+  v = jax.random.normal(keys[1], (b, cfg.num_kv_heads, n, cfg.head_dim), kv_dtype)
   out = {}
   for method in ("full", "rocketkv"):
-    cfg = rocketkv.RocketConfig(token_budget=spec["budget"], method=method)
-    plan = rocketkv.plan(cfg, int(lengths.max()), spec["new_tokens"], model.config.head_dim)
-    fn = jax.jit(functools.partial(llama.prefill, config=model.config, plan=plan))
-    exe = fn.lower(model.params, tokens, lengths).compile()
-    jax.block_until_ready(exe(model.params, tokens, lengths))
-    best = float("inf")
-    with tempfile.TemporaryDirectory() as tmp:
-      with jax.profiler.trace(tmp):
-        for _ in range(spec["calls"]):
-          t0 = time.perf_counter()
-          jax.block_until_ready(exe(model.params, tokens, lengths))
-          best = min(best, time.perf_counter() - t0)
-      path = sorted(glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True))[-1]
-      events = json.load(gzip.open(path))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    src = _hlo_sources(exe.as_text())
-    per_src = collections.Counter()
-    for e in events:
-      if e.get("ph") == "X" and not any(s in e["name"] for s in _SKIP):
-        per_src[src.get(e["name"], e["name"])] += e.get("dur", 0) / spec["calls"] / 1e3
-    out[method] = dict(best_s=best, ms_by_source=dict(per_src), total_op_ms=sum(
-        per_src.values()))
+    rc = rocketkv.RocketConfig(token_budget=spec["budget"], method=method)
+    plan = rocketkv.plan(rc, n, spec["new_tokens"], cfg.head_dim)
+    qw = jax.random.normal(keys[2], (b, cfg.num_heads, plan.window_size, cfg.head_dim), kv_dtype)
+    res = {}
+    if spec.get("whole", True):
+      fn = jax.jit(functools.partial(llama.prefill, config=cfg, plan=plan))
+      exe = fn.lower(model.params, tokens, lengths).compile()
+      res["pass"] = _trace_ms(exe, (model.params, tokens, lengths), spec["calls"])
+    fn = jax.jit(lambda k, v, qw, lengths, plan=plan: rocketkv.prefill(k, v, qw, plan,
+                                                                       lengths=lengths))
+    exe = fn.lower(k, v, qw, lengths).compile()
+    res["layer"] = _trace_ms(exe, (k, v, qw, lengths), max(spec["calls"], 5))
+    out[method] = res
+  out["num_layers"] = cfg.num_layers
   return out
 
 
 def _profile_report(res: dict, top: int) -> list[str]:
-  full, rkv = res["full"], res["rocketkv"]
-  lines = [f"prompt pass, best of the calls: full {full['best_s']:.2f} s, rocketkv "
-           f"{rkv['best_s']:.2f} s ({rkv['best_s'] / full['best_s'] - 1:+.1%}); traced ops: "
-           f"full {full['total_op_ms']:.0f} ms, rocketkv {rkv['total_op_ms']:.0f} ms per call",
-           "ms per call by source line (rocketkv, full, difference), largest differences:"]
-  keys = set(full["ms_by_source"]) | set(rkv["ms_by_source"])
-  diff = {k: rkv["ms_by_source"].get(k, 0.0) - full["ms_by_source"].get(k, 0.0) for k in keys}
-  for k in sorted(keys, key=lambda k: -abs(diff[k]))[:top]:
-    lines.append(f"  {rkv['ms_by_source'].get(k, 0.0):9.1f} {full['ms_by_source'].get(k, 0.0):9.1f}"
-                 f" {diff[k]:+9.1f}  {k}")
+  lines = []
+  for part, title in (("pass", "whole prompt pass (llama.prefill)"),
+                      ("layer", "one layer's KV state (rocketkv.prefill on random K/V of the "
+                                "model's shapes)")):
+    if part not in res["full"]:
+      continue
+    (f_ms, f_best, f_cpu), (r_ms, r_best, r_cpu) = res["full"][part], res["rocketkv"][part]
+    lines += [f"{title}: wall best full {f_best * 1e3:.1f} ms, rocketkv {r_best * 1e3:.1f} ms; "
+              f"CPU per call full {f_cpu * 1e3:.1f} ms, rocketkv {r_cpu * 1e3:.1f} ms "
+              f"({r_cpu / f_cpu - 1:+.1%}); traced op time per call full "
+              f"{sum(f_ms.values()):.1f} ms, rocketkv {sum(r_ms.values()):.1f} ms"]
+    if part == "layer":
+      lines.append(f"  x {res['num_layers']} layers: stage 1 adds "
+                   f"{(r_cpu - f_cpu) * res['num_layers']:.2f} CPU s per prompt pass")
+    lines.append("  ms per call by source (rocketkv, full, difference), largest differences:")
+    diff = {k: r_ms.get(k, 0.0) - f_ms.get(k, 0.0) for k in set(f_ms) | set(r_ms)}
+    for k in sorted(diff, key=lambda k: -abs(diff[k]))[:top]:
+      lines.append(f"  {r_ms.get(k, 0.0):9.1f} {f_ms.get(k, 0.0):9.1f} {diff[k]:+9.1f}  {k}")
   return lines
 
 
@@ -500,6 +566,8 @@ def _child(spec: dict, timeout: float | None) -> dict:
 
 
 def _info() -> list[str]:
+  import importlib.metadata as md
+
   import jax
 
   from rocketkv_jax.models import precision
@@ -509,11 +577,9 @@ def _info() -> list[str]:
                             capture_output=True, text=True).stdout.strip()
   except OSError:
     commit = "?"
-  try:
-    import torch
-    import transformers
-    hf = f"transformers {transformers.__version__}, torch {torch.__version__}"
-  except ImportError:
+  try:  # versions without importing them (seconds of imports)
+    hf = f"transformers {md.version('transformers')}, torch {md.version('torch')}"
+  except md.PackageNotFoundError:
     hf = "transformers not installed"
   return [f"jax {jax.__version__} ({jax.default_backend()}), {hf}, {os.cpu_count()} CPU cores "
           f"({platform.processor() or platform.machine()}); CPU bf16 dot instructions: "
@@ -533,7 +599,8 @@ def _parser() -> argparse.ArgumentParser:
                  help="HF directory or .gguf (default: the embedded SmolLM2-135M)")
   p.add_argument("--lengths", default="4096,8000",
                  help="longest prompt per batch, comma-separated (8000 + 64 new fit in 8192)")
-  p.add_argument("--batches", default="1,4,8,16")
+  p.add_argument("--batches", default="1,4,8",
+                 help="batch sizes (16 at 8000 tokens: ~15 GB for our full-KV prompt pass)")
   p.add_argument("--methods", default=",".join(METHODS), help=f"any of {','.join(METHODS)}")
   p.add_argument("--budgets", default="256,512", help="B for snapkv and rocketkv")
   p.add_argument("--dtypes", default="float32", help="float32 and/or bfloat16")
@@ -546,7 +613,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--dry-run", action="store_true", help="list the rows and exit")
   p.add_argument("--profile-prefill", action="store_true",
                  help="per-op profile of stage 1 in the prompt pass instead of the grid")
-  p.add_argument("--profile-calls", type=int, default=2)
+  p.add_argument("--profile-calls", type=int, default=2, help="traced calls per program")
+  p.add_argument("--layer-only", action="store_true",
+                 help="--profile-prefill: one layer's state build only, not the whole pass")
   p.add_argument("--top", type=int, default=20, help="--profile-prefill: lines shown")
   p.add_argument("--row", default=None, help=argparse.SUPPRESS)
   return p
@@ -614,7 +683,7 @@ def main(argv=None) -> int:
         for b in a.batches:
           res = _child(dict(profile=True, length=n, batch=b, dtype=dt, budget=budget,
                             new_tokens=a.new_tokens, model=a.model, prompts=prompts,
-                            calls=a.profile_calls), a.row_timeout)
+                            calls=a.profile_calls, whole=not a.layer_only), a.row_timeout)
           head = f"## {n} x {b} {dt}, rocketkv@{budget} vs full"
           body = [f"error: {res['error']}"] if "error" in res else _profile_report(res, a.top)
           print("\n".join([head] + body), flush=True)

@@ -88,3 +88,19 @@ def test_user_errors_exit_2(tmp_path, capsys):
   (tmp_path / "old.md").write_text("x")
   assert mod.main(["--model", path, "--out", str(tmp_path)]) == 2
   assert "already holds files" in capsys.readouterr().err
+
+
+def test_profile_attributes_ops_to_source_lines():
+  import inspect
+
+  import jax
+  import jax.numpy as jnp
+
+  def f(x):
+    return jnp.exp(x) * 2.0
+
+  line = inspect.getsourcelines(f)[1] + 1  # the line of `jnp.exp`
+  exe = jax.jit(f).lower(jnp.ones(8)).compile()
+  src = _module()._hlo_sources(exe.as_text())
+  assert any(v.startswith(f"test_benchmarks_throughput.py:{line} ") and "test_profile" in v
+             for v in src.values()), src
