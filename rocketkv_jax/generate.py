@@ -274,9 +274,10 @@ def generate(
       raise ValueError(f"pad_to must be None or an int >= 1, got {pad_to!r}")
     length = max(length, int(pad_to))
   if length + max_new_tokens > config.max_position_embeddings:
+    padded = " with pad_to" if length > longest else ""
     raise ValueError(
-        f"prompt ({length} tokens{' with pad_to' if length > longest else ''}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-        f"context of {config.max_position_embeddings} tokens")
+        f"prompt ({length} tokens{padded}) + max_new_tokens ({max_new_tokens}) exceeds the "
+        f"model's context of {config.max_position_embeddings} tokens")
   mesh = sharding_lib.mesh_of(model.params)
   dp = 1 if mesh is None else sharding_lib.axis_size(mesh, "dp")
   rows = -(-len(ids) // dp) * dp  # padded with copies of the last prompt, dropped at the end

@@ -65,9 +65,18 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
-from lm_eval import utils as lm_utils
+try:
+  from lm_eval.api.model import TemplateLM
+  from lm_eval.api.registry import register_model
+  from lm_eval import utils as lm_utils
+except ModuleNotFoundError as e:  # the optional extra is missing: one line, not a traceback
+  if not (e.name or "").startswith("lm_eval"):
+    raise
+  _MSG = 'rocketkv_jax.lm_eval needs lm-eval: pip install -e ".[lm-eval]"'
+  if __name__ == "__main__":
+    print(f"error: {_MSG}", file=sys.stderr)
+    sys.exit(2)
+  raise ImportError(_MSG) from None
 
 import rocketkv_jax as rocketkv
 from rocketkv_jax import methods
@@ -184,7 +193,7 @@ class RocketKVLM(TemplateLM):
     self.batch_size = _coerce("batch_size", bs, int)
     self.pad_multiple = _coerce("pad_multiple", own["pad_multiple"], int)
     self.seed = _coerce("seed", own["seed"], int)
-    self.pad_to = None if own["pad_to"] is None else _coerce("pad_to", own["pad_to"], int | None)
+    self.pad_to = _coerce("pad_to", own["pad_to"], int | None)
     if self.pad_to is not None and self.pad_to < 1:
       raise ValueError(f"pad_to must be None or an int >= 1, got {self.pad_to!r}")
     for name, val in (("batch_size", self.batch_size), ("pad_multiple", self.pad_multiple)):

@@ -153,3 +153,29 @@ def test_loader_errors_name_the_file(tmp_path):
   other.write_bytes(b"0")
   with pytest.raises(ValueError, match="must be a Hugging Face directory or a .gguf file"):
     models.load(str(other))
+
+
+def _without(module: str, code: str):
+  """Runs `code` in a fresh interpreter where importing `module` fails as if not installed."""
+  import subprocess
+  import sys
+
+  prelude = f"import sys; sys.modules[{module!r}] = None\n"
+  return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True,
+                        timeout=300)
+
+
+def test_missing_optional_extras_say_what_to_install():
+  r = _without("lm_eval", "import rocketkv_jax.lm_eval")
+  assert r.returncode == 1
+  assert r.stderr.strip().splitlines()[-1] == (
+      'ImportError: rocketkv_jax.lm_eval needs lm-eval: pip install -e ".[lm-eval]"')
+  r = _without("lm_eval", "import runpy; runpy.run_module('rocketkv_jax.lm_eval', "
+                          "run_name='__main__')")
+  assert r.returncode == 2
+  assert r.stderr.strip().splitlines()[-1] == (
+      'error: rocketkv_jax.lm_eval needs lm-eval: pip install -e ".[lm-eval]"')
+  r = _without("matplotlib", "from rocketkv_jax.eval import report; report._pyplot()")
+  assert r.returncode == 1
+  assert r.stderr.strip().splitlines()[-1] == (
+      'ImportError: the plots need matplotlib: pip install -e ".[eval]"')

@@ -420,11 +420,20 @@ def compare_markdown(results: dict, reference: str = "full", methods=None,
   return "\n".join(lines)
 
 
-def plot_accuracy(results: dict, path: str) -> None:
-  import matplotlib
-
+def _pyplot():
+  """matplotlib.pyplot on the file-only Agg backend; a one-line ImportError without the extra."""
+  try:
+    import matplotlib
+  except ModuleNotFoundError:
+    raise ImportError('the plots need matplotlib: pip install -e ".[eval]"') from None
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
+  return plt
+
+
+def plot_accuracy(results: dict, path: str) -> None:
+  plt = _pyplot()
 
   recs = results["records"]
   agg = aggregate(recs)
@@ -468,10 +477,7 @@ def plot_accuracy(results: dict, path: str) -> None:
 
 def plot_niah_heatmap(results: dict, path: str, task: str = "passkey") -> bool:
   """Depth x length heatmap per (method, budget) for records that have a depth."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  plt = _pyplot()
 
   recs = [r for r in results["records"] if r["task"] == task and "depth" in r]
   if not recs:
