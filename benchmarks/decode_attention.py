@@ -14,13 +14,13 @@ bit (uint16) storage; see `dense_step`).
     python benchmarks/decode_attention.py                      # the README table
     python benchmarks/decode_attention.py --contexts 32768 --budgets 256 --dtypes bfloat16
 
-With `--stage2 minmax rerank lowrank` it also times RocketKV's stage-2 variants side by side
-(`RocketConfig.stage2`; minmax, rerank and lowrank steps interleaved round by round, so that
+With `--stage2 minmax rerank lowrank quant` it also times RocketKV's stage-2 variants side by side
+(`RocketConfig.stage2`; the variants' steps interleaved round by round, so that
 load on the machine hits them alike) and prints each one's step time and bytes read per step
 as a ratio to minmax (issue #13's targets: <= 1.3x the time, <= 1.2x the bytes):
 
     python benchmarks/decode_attention.py --contexts 32768 --budgets 256 --dtypes bfloat16 \
-        --stage2 minmax rerank lowrank
+        --stage2 minmax rerank lowrank quant
 
 With `--skip-layers N` (`RocketConfig.skip_layers`, an ablation) the first N of `--num-layers`
 layers (default 32, Llama-3.1-8B) attend densely to their whole cache: the table adds the step
@@ -182,7 +182,8 @@ def stage2_read_bytes(plan, itemsize: int, num_kv_heads: int = HKV) -> int:
              + top_k V rows;
     lowrank: NP * (R + 1) * D basis values (mean + R directions per page) + NP * P * R
              coefficients + W * D keys of the exactly scored decode window (W = max_new_tokens,
-             read whole: the XLA step has a static shape) + top_k K and V rows.
+             read whole: the XLA step has a static shape) + top_k K and V rows;
+    quant:   r rows of C * bits / 8 packed code bytes + r fp32 grid steps + top_k K and V rows.
   """
   d, c = plan.head_dim, plan.capacity
   rows = 2 * min(plan.top_k, c) * d
@@ -191,6 +192,9 @@ def stage2_read_bytes(plan, itemsize: int, num_kv_heads: int = HKV) -> int:
     p, r = plan.lowrank_page_size, plan.lowrank_rank
     npg = max(1, -(-(c - w) // p))
     n = npg * (r + 1) * d + npg * p * r + w * d + rows
+  elif plan.stage2 == "quant":  # codes are bytes, not cache items: counted apart below
+    code_bytes = plan.r * (-(-c * plan.quant_bits // 8)) + plan.r * 4
+    return (rows * itemsize + code_bytes) * num_kv_heads
   elif plan.stage2 == "rerank":
     n = plan.num_chunks * plan.r + (min(plan.rerank_candidates, c) + min(plan.top_k, c)) * d
   else:
@@ -203,7 +207,7 @@ def bench_stage2(context, budget, dtype, variants, rounds, steps, impl):
   interleaved in `rounds` rounds of `steps` steps (rounds * steps + 1 <= 100, the plan's free
   slots). CPU time is the steadier number on a machine shared with other jobs. Returns
   {variant: (wall s, cpu s, bytes, plan)}."""
-  from rocketkv_jax.stage2_lowrank import attach
+  from rocketkv_jax.stage2_state import attach
 
   q, kn, vn = _inputs(dtype)
   k1, k2 = jax.random.split(jax.random.PRNGKey(2))
@@ -250,7 +254,8 @@ def main_stage2(args):
         t0, c0, b0, _ = res["minmax"]
         for s2, (t, ct, nb, p) in res.items():
           extra = {"minmax": "-", "rerank": f"M={min(p.rerank_candidates, p.capacity)}",
-                   "lowrank": f"P={p.lowrank_page_size} R={p.lowrank_rank}"}[s2]
+                   "lowrank": f"P={p.lowrank_page_size} R={p.lowrank_rank}",
+                   "quant": f"bits={p.quant_bits}"}[s2]
           print(f"| {dtype.name} | {ctx // 1024}K | {b} | {s2} | {p.capacity} / {p.chunk_size} / "
                 f"{p.r} / {p.top_k} | {extra} | {t * 1e3:.3f} | {t / t0:.2f}x | "
                 f"{ct * 1e3:.3f} | {ct / c0:.2f}x | {nb / 1024:.1f} | {nb / b0:.3f}x |",

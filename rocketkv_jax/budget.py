@@ -48,11 +48,12 @@ class Plan:
       methods that read no summaries.
     r: head dims used by the approximate score.
     full_capacity: slots of the uncompressed cache kept by `rocketkv_mt` (0 otherwise).
-    stage2: RocketKV's stage-2 scorer, "minmax" | "rerank" | "lowrank" (methods/rocketkv.py;
+    stage2: RocketKV's stage-2 scorer, "minmax" | "rerank" | "lowrank" | "quant" (methods/rocketkv.py;
       always "minmax" for other methods).
     rerank_candidates: slots the chunk bounds pick for "rerank" (ceil(factor * top_k); 0
       otherwise); capped at the cache capacity when selecting.
     lowrank_page_size, lowrank_rank: P and R for "lowrank" (0 otherwise).
+    quant_bits: bits per key code for "quant" (0 otherwise).
     skip_layers: the first layers that keep their whole cache and attend densely (rocketkv,
       rocketkv_mt: `RocketConfig.skip_layers`; 0 otherwise).
   """
@@ -75,6 +76,7 @@ class Plan:
   rerank_candidates: int = 0
   lowrank_page_size: int = 0
   lowrank_rank: int = 0
+  quant_bits: int = 0
   skip_layers: int = 0
 
   @property

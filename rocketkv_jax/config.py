@@ -37,9 +37,11 @@ class RocketConfig:
       bounds), "rerank" (chunk bounds pick `rerank_factor * top_k` candidate slots, per-token
       scores on the same r dims keep `top_k`; stage2_rerank.py), "lowrank" (page-local
       rank-`lowrank_rank` key summaries over pages of `lowrank_page_size` slots, per-token
-      scores; stage2_lowrank.py).
+      scores; stage2_lowrank.py), "quant" (per-token `quant_bits`-bit key codes on per-channel
+      grids, scored on the same r dims; stage2_quant.py).
     rerank_factor: candidates per selected slot for "rerank" (>= 1).
     lowrank_page_size, lowrank_rank: page size P and rank R for "lowrank" (R <= P, R <= D).
+    quant_bits: bits per key code for "quant", one of 1, 2, 4, 8.
     skip_layers: the first `skip_layers` layers keep their whole cache (no stage-1 eviction) and
       attend densely at every decode step, for the methods that accept it
       (`Method.accepts_skip_layers`: rocketkv, rocketkv_mt; others reject a value other than 0).
@@ -66,6 +68,7 @@ class RocketConfig:
   rerank_factor: float = 1.5
   lowrank_page_size: int = 128
   lowrank_rank: int = 8
+  quant_bits: int = 4
   skip_layers: int = 0
 
   def __post_init__(self):

@@ -16,14 +16,14 @@ from rocketkv_jax._checks import require
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, extend, grow
 from rocketkv_jax.evict import evict
-from rocketkv_jax.stage2_lowrank import attach
+from rocketkv_jax.stage2_state import attach
 
 
 @struct.dataclass
 class MTState:
   """full: every token so far ([B, Hkv, C_full, D]); view: the stage-1 compressed cache (a
-  `LowRankState` around it for stage2="lowrank"), or None in a dense layer (`skip_layers`),
-  which reads `full`."""
+  `LowRankState` / `QuantState` around it for stage2="lowrank" / "quant"), or None in a dense
+  layer (`skip_layers`), which reads `full`."""
 
   full: KVCache
   view: KVCache | None

@@ -1,6 +1,7 @@
-"""RocketConfig.stage2 = "rerank" / "lowrank" against float64 NumPy references written here.
+"""RocketConfig.stage2 = "rerank" / "lowrank" / "quant" against float64 NumPy references here.
 
-The references follow the definitions (stage2_rerank.py / stage2_lowrank.py docstrings) loop by
+The references follow the definitions (stage2_rerank.py / stage2_lowrank.py / stage2_quant.py
+docstrings) loop by
 loop: per-token scores, selected sets on random data (checked exactly where the reference's
 k-th and (k+1)-th scores are well apart, and by score mass always), decode steps end to end,
 ragged batches, sliding windows, and that "minmax" is unchanged.
@@ -16,8 +17,10 @@ import pytest
 import rocketkv_jax as rocketkv
 import reference as ref
 from rocketkv_jax.eval import variants
-from rocketkv_jax.stage2_lowrank import LowRankState, slot_logits_xla
+from rocketkv_jax.stage2_lowrank import slot_logits_xla
+from rocketkv_jax.stage2_quant import QuantState
 from rocketkv_jax.stage2_rerank import candidate_scores_xla
+from rocketkv_jax.stage2_state import state_type
 
 D, HKV, G = 16, 2, 4
 HQ = HKV * G
@@ -101,6 +104,31 @@ def ref_lowrank_select(q, k, valid, n_prompt, page, rank, top_k):
   return sel, scores
 
 
+def ref_quant_select(q, k, valid, n_prompt, r, bits, top_k):
+  """One sequence: per KV head and dim an affine grid over the prompt keys (slots < n_prompt),
+  every slot's key rounded to it (clipped), then SparQ's r-dim score of the rounded keys:
+  softmax per query head over the valid slots of q_r . k~_r / sqrt(D * sum|q_r| / sum|q|),
+  summed over the group, top_k. Returns (selected sets, scores [Hkv, C])."""
+  q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  hkv, c, d = k.shape
+  levels = 2 ** bits - 1
+  scores = np.full((hkv, c), -np.inf)
+  sel = []
+  for h in range(hkv):
+    lo, hi = k[h, :n_prompt].min(0), k[h, :n_prompt].max(0)
+    step = np.where(hi > lo, (hi - lo) / levels, 1.0)
+    kq = lo + step * np.clip(np.round((k[h] - lo) / step), 0, levels)  # [C, D]
+    qg = q[h * G:(h + 1) * G]
+    dims = np.argsort(-np.abs(qg).sum(0), kind="stable")[:r]
+    tot = np.zeros(c)
+    for i in range(G):
+      scale = math.sqrt(d * np.abs(qg[i, dims]).sum() / np.abs(qg[i]).sum())
+      tot += ref.softmax(np.where(valid[h], kq[:, dims] @ qg[i, dims] / scale, -np.inf))
+    scores[h] = np.where(valid[h], tot, -np.inf)
+    sel.append(set(np.argsort(-scores[h], kind="stable")[:min(top_k, valid[h].sum())].tolist()))
+  return sel, scores
+
+
 def _separated(scores, n, rel=1e-3):
   """The n-th and (n+1)-th best finite scores are well apart (an exact set is well defined)."""
   s = np.sort(scores[np.isfinite(scores)])[::-1]
@@ -144,7 +172,15 @@ def test_stage2_config_plan_and_errors():
                      1000, 10, 64)
   assert (lr.stage2, lr.chunk_size, lr.lowrank_page_size, lr.lowrank_rank) == (
       "lowrank", 0, 32, 4)
-  with pytest.raises(ValueError, match=r"stage2 must be one of \['minmax', 'rerank', 'lowrank'\]"):
+  qt = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, stage2="quant", quant_bits=2),
+                     1000, 10, 64)
+  assert (qt.stage2, qt.chunk_size, qt.quant_bits) == ("quant", 0, 2)
+  assert (qt.capacity, qt.top_k, qt.r) == (base.capacity, base.top_k, base.r)
+  assert base.quant_bits == 0
+  with pytest.raises(ValueError, match=r"quant_bits must be one of \[1, 2, 4, 8\], got 3"):
+    rocketkv.RocketConfig(token_budget=64, stage2="quant", quant_bits=3)
+  with pytest.raises(ValueError,
+                     match=r"stage2 must be one of \['minmax', 'rerank', 'lowrank', 'quant'\]"):
     rocketkv.RocketConfig(token_budget=64, stage2="exact")
   with pytest.raises(ValueError, match="needs method in"):
     rocketkv.RocketConfig(token_budget=64, method="quest", stage2="rerank")
@@ -162,6 +198,8 @@ def test_variant_specs():
       "rocketkv", {"stage2": "rerank", "rerank_factor": 2.0})
   cfg = variants.rocket_config("rocketkv_mt:stage2=lowrank,lowrank_rank=4", 256)
   assert (cfg.method, cfg.stage2, cfg.lowrank_rank) == ("rocketkv_mt", "lowrank", 4)
+  cfg = variants.rocket_config("rocketkv:stage2=quant,quant_bits=8", 256)
+  assert (cfg.stage2, cfg.quant_bits) == ("quant", 8)
   with pytest.raises(ValueError, match="must be one of"):
     variants.parse("rocketkv:stage2=foo")
 
@@ -300,6 +338,56 @@ def test_lowrank_select_matches_reference(seed, page, rank, top_k, window):
     _check_selection(idx[b], want, lambda h: dict(enumerate(scores[h])), valid, top_k)
 
 
+# --------------------------------------------------------------------------- quant
+@pytest.mark.parametrize("seed,bits,top_k,window", [(0, 4, 10, None), (1, 2, 25, None),
+                                                    (2, 8, 9, 30), (3, 1, 12, None)])
+def test_quant_select_matches_reference(seed, bits, top_k, window):
+  """Ragged batch (an odd length: a partial last byte for bits < 8), GQA, sliding window."""
+  c, r = 63, 5
+  lengths = [63, 45]
+  k = _keys(seed + 60, 2, c, lengths)
+  cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, top_k=top_k, r=r, stage2="quant",
+                              quant_bits=bits, capacity=c)
+  plan = rocketkv.plan(cfg, c, 0, D)
+  from rocketkv_jax.stage2_quant import build
+  state = build(rocketkv.full_cache(jnp.asarray(k), jnp.asarray(k), c, 0, jnp.asarray(lengths)),
+                plan)
+  assert state.codes.shape == (2, HKV, D, -(-c * bits // 8)) and state.codes.dtype == jnp.uint8
+  q = np.random.default_rng(seed + 70).standard_normal((2, HQ, D)).astype(np.float32)
+  idx = np.asarray(rocketkv.select(jnp.asarray(q), state, plan, sliding_window=window))
+  for b in range(2):
+    pos = np.arange(c)
+    valid = pos < lengths[b]
+    if window is not None:
+      valid = valid & (lengths[b] - 1 - pos < window)
+    valid = np.broadcast_to(valid, (HKV, c))
+    want, scores = ref_quant_select(q[b], k[b], valid, lengths[b], r, bits, top_k)
+    _check_selection(idx[b], want, lambda h: dict(enumerate(scores[h])), valid, top_k)
+
+
+def test_quant_8_bits_selects_what_exact_r_dim_scores_select():
+  """With 8 bits the codes lose nothing the selection sees: the r-dim scores of the real keys
+  (SparQ's, `chunk_size=1` minmax) pick the same slots where they are well apart."""
+  c = 64
+  lengths = [64, 50]
+  k = _keys(80, 2, c, lengths)
+  q = np.random.default_rng(81).standard_normal((2, HQ, D)).astype(np.float32)
+  picks = {}
+  for s2, extra in (("quant", dict(quant_bits=8)), ("minmax", dict(chunk_size=1))):
+    cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, top_k=8, r=D, stage2=s2,
+                                capacity=c, **extra)
+    plan = rocketkv.plan(cfg, c, 0, D)
+    from rocketkv_jax.stage2_state import attach
+    cache = rocketkv.full_cache(jnp.asarray(k), jnp.asarray(k), c, plan.chunk_size,
+                                jnp.asarray(lengths))
+    picks[s2] = np.sort(np.asarray(rocketkv.select(jnp.asarray(q), attach(cache, plan), plan)))
+  for b in range(2):
+    exact = ref.exact_slot_scores(q[b], k[b], lengths[b])
+    for h in range(HKV):
+      if _separated(exact[h][np.isfinite(exact[h])], 8, rel=0.05):
+        np.testing.assert_array_equal(picks["quant"][b, h], picks["minmax"][b, h])
+
+
 # --------------------------------------------------------------------------- decode end to end
 _STEP = jax.jit(rocketkv.decode_step, static_argnums=4, static_argnames=("sliding_window",))
 
@@ -338,6 +426,8 @@ def _ref_decode(stage2, plan, k, v, q, n, steps, sliding_window=None):
     if stage2 == "rerank":
       sel, _ = ref_rerank_select(q[:, p], kk, valid, plan.chunk_size, plan.r,
                                  plan.rerank_candidates, plan.top_k)
+    elif stage2 == "quant":
+      sel, _ = ref_quant_select(q[:, p], kk, valid, n, plan.r, plan.quant_bits, plan.top_k)
     else:
       sel, _ = ref_lowrank_select(q[:, p], kk, valid, n, plan.lowrank_page_size,
                                   plan.lowrank_rank, plan.top_k)
@@ -345,24 +435,30 @@ def _ref_decode(stage2, plan, k, v, q, n, steps, sliding_window=None):
   return np.stack(out)
 
 
-@pytest.mark.parametrize("stage2,window", [("rerank", None), ("lowrank", None),
-                                           ("lowrank", 40), ("rerank", 40)])
-def test_decode_steps_match_reference(stage2, window):
+@pytest.mark.parametrize("stage2,window,bits", [("rerank", None, 4), ("lowrank", None, 4),
+                                                ("lowrank", 40, 4), ("rerank", 40, 4),
+                                                ("quant", None, 4), ("quant", 40, 2),
+                                                ("quant", None, 8)])
+def test_decode_steps_match_reference(stage2, window, bits):
   """Ragged batch, GQA, `steps` decode steps, vs the reference of each sequence; and the batch
-  gives each sequence what it gets alone."""
-  l, steps = 72, 4
+  gives each sequence what it gets alone. (quant: the decode tokens, scaled up, fall partly
+  outside the prompt's grid; 5 steps fill an odd capacity, 77, so the last byte is partial.)"""
+  l, steps = 72, 5
   lengths = [72, 53]
   rng = np.random.default_rng(40)
   k = rng.standard_normal((2, HKV, l + steps, D)).astype(np.float32)
   k[..., 0] *= 4.0
   v = rng.standard_normal((2, HKV, l + steps, D)).astype(np.float32)
   q = rng.standard_normal((2, HQ, l + steps, D)).astype(np.float32)
+  for b, n in enumerate(lengths):
+    k[b, :, n:] *= 1.5
   cfg = rocketkv.RocketConfig(token_budget=24, window_size=4, prompt_budget=l, chunk_size=3,
-                              r=6, stage2=stage2, lowrank_page_size=16, lowrank_rank=4)
+                              r=6, stage2=stage2, lowrank_page_size=16, lowrank_rank=4,
+                              quant_bits=bits)
   plan = rocketkv.plan(cfg, l, steps, D)
-  assert plan.top_k == 12 and plan.prompt_budget == l
+  assert plan.top_k == 12 and plan.prompt_budget == l and plan.capacity == l + steps
   got, state = _decode(plan, k, v, q, lengths, l, steps, window)
-  assert isinstance(state, LowRankState) == (stage2 == "lowrank")
+  assert type(state) is state_type(plan)
   for b in range(2):
     want = _ref_decode(stage2, plan, k[b], v[b], q[b], lengths[b], steps, window)
     np.testing.assert_allclose(got[b], want, rtol=1e-4, atol=1e-4)
@@ -370,20 +466,23 @@ def test_decode_steps_match_reference(stage2, window):
   np.testing.assert_allclose(alone[0], got[1], rtol=1e-6, atol=1e-6)
 
 
-def test_lowrank_multi_turn_keeps_its_summaries():
-  """rocketkv_mt + lowrank: prefill and begin_turn both give a LowRankState view whose prompt
-  slots are the re-evicted cache; decoding over it keeps every valid slot when top_k >= C."""
+@pytest.mark.parametrize("stage2", ["lowrank", "quant"])
+def test_multi_turn_keeps_its_summaries(stage2):
+  """rocketkv_mt + lowrank / quant: prefill and begin_turn both give the variant's state as the
+  view, built on the re-evicted cache; decoding over it keeps every valid slot when top_k >= C."""
   l, t2, steps = 40, 12, 3
   rng = np.random.default_rng(50)
   k = rng.standard_normal((1, HKV, l + t2 + 2 * steps, D)).astype(np.float32)
   q = rng.standard_normal((1, HQ, l + t2 + 2 * steps, D)).astype(np.float32)
   cfg = rocketkv.RocketConfig(token_budget=512, window_size=4, method="rocketkv_mt",
-                              prompt_budget=1000, stage2="lowrank", lowrank_page_size=8,
+                              prompt_budget=1000, stage2=stage2, lowrank_page_size=8,
                               lowrank_rank=2)
   plan = rocketkv.plan(cfg, l, steps, D)
   state = rocketkv.prefill(jnp.asarray(k[:, :, :l]), jnp.asarray(k[:, :, :l]),
                            jnp.asarray(q[:, :, l - 4:l]), plan)
-  assert isinstance(state.view, LowRankState) and int(state.view.n_prompt[0]) == l
+  assert type(state.view) is state_type(plan)
+  n_view = lambda st: int((st.n_prompt if stage2 == "lowrank" else st.cache.length)[0])
+  assert n_view(state.view) == l
   for t in range(steps):
     kn = jnp.asarray(k[:, :, l + t:l + t + 1])
     out, state = _STEP(jnp.asarray(q[:, :, l + t]), kn, kn, state, plan)
@@ -391,7 +490,7 @@ def test_lowrank_multi_turn_keeps_its_summaries():
   plan2 = rocketkv.plan(cfg, s + t2, steps, D)
   state = rocketkv.begin_turn(state, jnp.asarray(k[:, :, s:s + t2]), jnp.asarray(k[:, :, s:s + t2]),
                               jnp.asarray(q[:, :, s + t2 - 4:s + t2]), plan2)
-  assert isinstance(state.view, LowRankState) and int(state.view.n_prompt[0]) == s + t2
+  assert type(state.view) is state_type(plan2) and n_view(state.view) == s + t2
   p = s + t2
   kn = jnp.asarray(k[:, :, p:p + 1])
   out, state = _STEP(jnp.asarray(q[:, :, p]), kn, kn, state, plan2)
@@ -399,7 +498,7 @@ def test_lowrank_multi_turn_keeps_its_summaries():
   np.testing.assert_allclose(np.asarray(out[0]), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("stage2", ["rerank", "lowrank"])
+@pytest.mark.parametrize("stage2", ["rerank", "lowrank", "quant"])
 def test_generate_with_stage2_keeping_everything_equals_full(stage2):
   """Through `generate` (jitted while loop, donated state) on a Mistral sliding-window
   checkpoint: with a budget that keeps and selects every token, the full-KV tokens."""

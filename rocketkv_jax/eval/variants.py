@@ -8,6 +8,7 @@ A method spec is a name from `rocketkv.METHODS`, optionally followed by `:` and 
     rocketkv:top_k=B                stage 2 reads B tokens instead of B/2
     rocketkv:stage2=rerank          stage 2 re-ranks the chunk bounds' candidates per token
     rocketkv:stage2=lowrank,lowrank_rank=4   page-local low-rank key summaries (RocketConfig)
+    rocketkv:stage2=quant,quant_bits=4      per-token 4-bit key codes (RocketConfig)
     rocketkv:skip_layers=2          layers 0 and 1 keep their whole cache and attend densely
     snapkv:window_size=16
 
@@ -26,7 +27,7 @@ from rocketkv_jax.config import STAGE2
 
 OVERRIDABLE = ("alpha", "capacity", "prompt_budget", "top_k", "chunk_size", "r", "window_size",
                "kernel_size", "page_size", "sink_size", "stage2", "rerank_factor",
-               "lowrank_page_size", "lowrank_rank", "skip_layers")
+               "lowrank_page_size", "lowrank_rank", "quant_bits", "skip_layers")
 _FLOATS = ("alpha", "rerank_factor")
 
 

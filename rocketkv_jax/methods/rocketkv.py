@@ -15,6 +15,9 @@ Stage 2 has variants, `RocketConfig.stage2` (`STAGE2`), all owned here:
 - "lowrank": page-local low-rank key summaries score every slot (stage2_lowrank.py). The state
   is a `LowRankState` (the cache, no chunk summaries, plus its prompt-key summaries); `view`
   gives its `KVCache`.
+- "quant": per-token low-bit key codes score every slot on the r dims (stage2_quant.py). The
+  state is a `QuantState` (the cache, no chunk summaries, plus the codes); `view` gives its
+  `KVCache`. (stage2_state.py maps each variant to its state.)
 
 `RocketConfig.skip_layers` = N (`Plan.skip_layers`): layers 0..N-1 are `dense_layers`. Their
 prefill keeps every prompt token in a `KVCache` without summaries (`dense_layer_cache`, for every
@@ -27,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from rocketkv_jax import stage2_lowrank, stage2_rerank
+from rocketkv_jax import stage2_lowrank, stage2_quant, stage2_rerank, stage2_state
 from rocketkv_jax._checks import require, require_int
 from rocketkv_jax.attend import attend, attend_dense_before_append
 from rocketkv_jax.budget import paper_split
@@ -37,9 +40,9 @@ from rocketkv_jax.methods.base import (Method, checked_append, dense_layer_cache
                                        require_half_budget, require_window_budget)
 from rocketkv_jax.methods.sparq import approx_select
 from rocketkv_jax.select import approx_scores, check_chunks
-from rocketkv_jax.stage2_lowrank import LowRankState
+from rocketkv_jax.stage2_quant import BITS
 
-STAGE2 = ("minmax", "rerank", "lowrank")
+STAGE2 = ("minmax", "rerank", "lowrank", "quant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,8 @@ class RocketKV(Method):
             f"rerank_factor must be a number >= 1, got {rf!r}")
     require_int("lowrank_page_size", config.lowrank_page_size, 1)
     require_int("lowrank_rank", config.lowrank_rank, 1, config.lowrank_page_size)
+    require(config.quant_bits in BITS,
+            f"quant_bits must be one of {list(BITS)}, got {config.quant_bits!r}")
 
   def split(self, config, prompt_len, max_new_tokens, head_dim):
     split = dict(paper_split(config, prompt_len, max_new_tokens, head_dim),
@@ -73,15 +78,17 @@ class RocketKV(Method):
       # No chunk min/max summaries: the cache keeps none and `append` updates none.
       split.update(stage2="lowrank", chunk_size=0, lowrank_page_size=config.lowrank_page_size,
                    lowrank_rank=config.lowrank_rank)
+    elif config.stage2 == "quant":  # per-token codes replace the chunk bounds; r as the paper's
+      split.update(stage2="quant", chunk_size=0, quant_bits=config.quant_bits)
     return split
 
   def prefill(self, k, v, q_window, plan, *, lengths=None, impl="auto", dense=False):
     if dense:  # a skipped layer: every prompt token, no stage 1 and no stage-2 summaries
       return dense_layer_cache(k, v, plan, lengths)
-    return stage2_lowrank.attach(evict(k, v, q_window, plan, lengths=lengths, impl=impl), plan)
+    return stage2_state.attach(evict(k, v, q_window, plan, lengths=lengths, impl=impl), plan)
 
   def view(self, state):
-    return state.cache if isinstance(state, LowRankState) else state
+    return stage2_state.unwrap(state)
 
   def select(self, q, state, plan, *, sliding_window=None, impl="auto"):
     return stage2_select(q, state, plan, sliding_window=sliding_window, impl=impl)
@@ -89,11 +96,11 @@ class RocketKV(Method):
   def decode_step(self, q, k_new, v_new, state, plan, *, dense=False, sliding_window=None,
                   impl="auto"):
     # A dense layer reads no stage-2 summaries: its state is a plain KVCache for every variant.
-    require(dense or isinstance(state, LowRankState) == (plan.stage2 == "lowrank"),
+    require(dense or type(state) is stage2_state.state_type(plan),
             f"a stage2={plan.stage2!r} plan needs the state its prefill built, got {type(state)}")
     cache = self.view(state)
     new = checked_append(q, k_new, v_new, cache)
-    new_state = state.replace(cache=new) if isinstance(state, LowRankState) else new
+    new_state = stage2_state.after_append(state, new)
     if dense:  # read before the write: see attend_dense_before_append
       return (attend_dense_before_append(q, cache, k_new, v_new, sliding_window=sliding_window),
               new_state)
@@ -110,11 +117,13 @@ class RocketKV(Method):
 
 def stage2_select(q, state, plan, *, sliding_window=None, impl="auto"):
   """RocketKV's stage 2 by `plan.stage2`: int32 `[B, Hkv, min(top_k, C)]` slots of the cache in
-  `state` (a `KVCache`; a `LowRankState` for "lowrank")."""
+  `state` (a `KVCache`; a `LowRankState` for "lowrank", a `QuantState` for "quant")."""
   if plan.stage2 == "lowrank":
     return stage2_lowrank.select_lowrank(q, state, plan, sliding_window=sliding_window)
-  require(not isinstance(state, LowRankState),
-          f"a stage2={plan.stage2!r} plan needs a KVCache, got a LowRankState")
+  if plan.stage2 == "quant":
+    return stage2_quant.select_quant(q, state, plan, sliding_window=sliding_window)
+  require(not isinstance(state, tuple(stage2_state.STATE_TYPES.values())),
+          f"a stage2={plan.stage2!r} plan needs a KVCache, got a {type(state).__name__}")
   if plan.stage2 == "rerank":
     check_chunks(state, plan.chunk_size)
     chunk = approx_scores(q, state, plan.r, impl=impl)

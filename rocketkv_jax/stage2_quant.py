@@ -1,0 +1,190 @@
+"""Stage 2, `stage2="quant"`: per-token low-bit key codes, read on the query's r dims.
+
+The paper's chunk bound costs 2 values per dim per chunk of `chunk_size` slots and gives every
+slot of a chunk the same score (issue #13). Here every slot keeps its own key, quantised to
+`bits` bits per dim, so each slot is scored on its own key -- per-token resolution -- for fewer
+bytes than the bounds: on the r dims stage 2 reads, the bounds cost r * 16 / chunk_size bits
+per slot (bf16, chunks of 3 at 32K / B=256: 5.3 r), 4-bit codes 4 r.
+
+Per KV head and dim d, an affine grid fixed at prefill from the keys stage 1 kept:
+`lo_d = min_i k_id`, `step_d = (max_i k_id - lo_d) / (2^bits - 1)` (1 where the keys are
+constant), and each slot's code `c_id = clip(round((k_id - lo_d) / step_d), 0, 2^bits - 1)`.
+The approximate logit of slot i for a query q, on stage 2's r dims (`ops.top_r_dims`) with
+SparQ's temperature (`ops.approx_scale`, as the chunk score), is
+
+    sum_{d in r} q_d * step_d * c_id      (= q_r . k_r up to rounding, minus q_r . lo_r)
+
+The dropped `q_r . lo_r` is the same for every slot of a query head, so the softmax over slots
+(summed over the group) and the `top_k` it picks are those of the dequantised keys. Then exact
+attention on the `top_k` slots, as `minmax`.
+
+Decisions (README, "Stage-2 variants"):
+- Per-channel (per KV head and dim) grids, not per token: keys have outlier channels, and a
+  per-token scale would spend the grid on them (KIVI quantises keys per channel for the same
+  reason); a per-channel grid also makes the dropped offset a per-query constant.
+- The grid is fixed at prefill. Appended tokens are coded on it, clipped to its range: a decode
+  token outside the prompt's range scores as the range's edge. No re-quantisation in the step,
+  so the summaries of earlier slots never change.
+- Layout: codes are dim-major and packed along the slots, `[B, Hkv, D, ceil(C / per)]` uint8
+  with per = 8 / bits slots per byte (slot i in byte i // per, bits (i % per) * bits and up), so
+  the r dims a query reads are r contiguous rows of C * bits / 8 bytes, as the bounds' r rows.
+- `append` re-codes the byte that holds the new slot from the cache's updated keys (empty slots
+  code 0), without reading the old codes, so XLA updates them in place (as the bounds).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from rocketkv_jax._checks import require
+from rocketkv_jax.budget import Plan
+from rocketkv_jax.cache import KVCache, _write_rows, valid_slots
+from rocketkv_jax.ops import bound_rows_and_query, group_queries
+from rocketkv_jax.select import _group_softmax_sum, check_query
+
+BITS = (1, 2, 4, 8)
+
+
+@struct.dataclass
+class QuantState:
+  """One layer's decode state for `stage2="quant"`: the cache plus its per-token key codes.
+
+  Attributes:
+    cache: the `KVCache` (no min/max summaries: its chunk_size is 0).
+    codes: [B, Hkv, D, ceil(C / per)] uint8 packed codes, dim-major (module doc).
+    lo: [B, Hkv, D] float32 per-channel grid origin.
+    step: [B, Hkv, D] float32 per-channel grid step (> 0).
+    bits: static bits per code (one of `BITS`).
+  """
+
+  cache: KVCache
+  codes: jax.Array
+  lo: jax.Array
+  step: jax.Array
+  bits: int = struct.field(pytree_node=False, default=4)
+
+  @property
+  def per_byte(self) -> int:
+    return 8 // self.bits
+
+
+def quantize(k: jax.Array, lo: jax.Array, step: jax.Array, bits: int) -> jax.Array:
+  """k [B, H, N, D], lo / step [B, H, D] -> int32 codes [B, H, N, D] in [0, 2^bits - 1]."""
+  x = (k.astype(jnp.float32) - lo[:, :, None, :]) / step[:, :, None, :]
+  return jnp.clip(jnp.round(x), 0, 2 ** bits - 1).astype(jnp.int32)
+
+
+def pack(codes: jax.Array, bits: int) -> jax.Array:
+  """int codes [B, H, N, D] (N a multiple of 8 / bits) -> uint8 [B, H, D, N * bits / 8]: slot i
+  in byte i // per at bit (i % per) * bits."""
+  b, h, n, d = codes.shape
+  per = 8 // bits
+  c = codes.reshape(b, h, n // per, per, d)
+  byte = sum(c[:, :, :, j] << (j * bits) for j in range(per))  # [B, H, N / per, D]
+  return jnp.swapaxes(byte, 2, 3).astype(jnp.uint8)
+
+
+def unpack(rows: jax.Array, bits: int, n: int) -> jax.Array:
+  """uint8 [..., Nb] packed rows -> float32 codes [..., n] (the first n slots)."""
+  per = 8 // bits
+  x = rows.astype(jnp.int32)
+  codes = jnp.stack([(x >> (j * bits)) & (2 ** bits - 1) for j in range(per)], axis=-1)
+  return codes.reshape(*rows.shape[:-1], rows.shape[-1] * per)[..., :n].astype(jnp.float32)
+
+
+def channel_grid(k: jax.Array, valid: jax.Array, bits: int):
+  """Per-channel grid of the valid keys.
+
+  Args:
+    k: [B, H, C, D] keys.
+    valid: [B, H, C] bool.
+    bits: code width.
+  Returns:
+    (lo, step), each [B, H, D] float32; a channel with no spread (or no valid key) gets step 1.
+  """
+  kf = k.astype(jnp.float32)
+  ok = valid[..., None]
+  lo = jnp.min(jnp.where(ok, kf, jnp.inf), axis=2)
+  hi = jnp.max(jnp.where(ok, kf, -jnp.inf), axis=2)
+  lo = jnp.where(jnp.isfinite(lo), lo, 0.0)
+  spread = jnp.where(jnp.isfinite(hi), hi - lo, 0.0)
+  step = jnp.where(spread > 0, spread / (2 ** bits - 1), 1.0)
+  return lo, step
+
+
+def _coded(k: jax.Array, valid: jax.Array, lo, step, bits: int) -> jax.Array:
+  """Codes of `k [B, H, N, D]` with 0 where not `valid [B, H, N]`."""
+  return jnp.where(valid[..., None], quantize(k, lo, step, bits), 0)
+
+
+def build(cache: KVCache, plan: Plan) -> QuantState:
+  """The quant state of a freshly prefilled cache: the grid of its valid slots, every slot coded."""
+  require(plan.stage2 == "quant", f"plan.stage2 must be 'quant', got {plan.stage2!r}")
+  bits = plan.quant_bits
+  per = 8 // bits
+  c = cache.capacity
+  valid = valid_slots(cache)
+  lo, step = channel_grid(cache.k, valid, bits)
+  codes = _coded(cache.k, valid, lo, step, bits)
+  pad = -c % per
+  codes = jnp.pad(codes, ((0, 0), (0, 0), (0, pad), (0, 0)))
+  return QuantState(cache=cache, codes=pack(codes, bits), lo=lo, step=step, bits=bits)
+
+
+def append_codes(state: QuantState, new: KVCache) -> QuantState:
+  """The state after `new = cache.append(state.cache, ...)`: the byte holding the new slot
+  re-coded from `new`'s keys (slots after the new one code 0)."""
+  bits, per = state.bits, state.per_byte
+  c = new.capacity
+  slot = jnp.minimum(state.cache.length, c - 1)  # where append wrote (the last slot when full)
+  byte = slot // per
+  group = byte[:, None] * per + jnp.arange(per)  # [B, per] slots of that byte
+  idx = jnp.minimum(group, c - 1)[:, None, :, None]
+  rows = jnp.take_along_axis(new.k, idx, axis=2)  # [B, Hkv, per, D]
+  ok = ((group <= slot[:, None]) & (group < c))[:, None, :]
+  col = pack(_coded(rows, jnp.broadcast_to(ok, rows.shape[:3]), state.lo, state.step, bits),
+             bits)[..., 0]  # [B, Hkv, D]
+  return state.replace(cache=new, codes=_write_rows(state.codes, col, byte, axis=3))
+
+
+def slot_logits_xla(q: jax.Array, state: QuantState, r: int) -> jax.Array:
+  """Approximate logits of every slot, up to a per-query-head constant.
+
+  Args:
+    q: [B, Hq, D] decode query (post-RoPE).
+    state: the quant state.
+    r: dims read (stage 2's r).
+  Returns:
+    [B, Hkv, G, C] float32: sum over the r dims of q_d * scale * step_d * code_id.
+  """
+  cache = state.cache
+  hkv, c = cache.k_raw.shape[1], cache.capacity
+  qg = group_queries(q, hkv).astype(jnp.float32)
+  ridx, _, q_r = bound_rows_and_query(qg, r)  # [B, Hkv, r], [B, Hkv, G, r] (scaled)
+  step_r = jnp.take_along_axis(state.step, ridx, axis=-1)  # [B, Hkv, r]
+  rows = jnp.take_along_axis(state.codes, ridx[..., None], axis=2)  # [B, Hkv, r, Cb] uint8
+  codes = unpack(rows, state.bits, c)  # [B, Hkv, r, C]
+  return jnp.einsum("bhgr,bhrc->bhgc", q_r * step_r[:, :, None, :], codes)
+
+
+def select_quant(q: jax.Array, state: QuantState, plan: Plan, *,
+                 sliding_window: int | None = None) -> jax.Array:
+  """The `top_k` slots per KV head from the coded keys' scores; contract as `rocketkv.select`.
+
+  Returns:
+    int32 [B, Hkv, min(top_k, C)], no slot twice; when fewer slots are valid, every valid slot
+    and distinct invalid slots (>= C, which `attend` masks).
+  """
+  require(isinstance(state, QuantState),
+          f"a 'quant' plan needs a QuantState (from rocketkv.prefill), got {type(state)}")
+  cache = state.cache
+  check_query(q, cache)
+  c = cache.capacity
+  k = min(plan.top_k, c)
+  valid = valid_slots(cache, sliding_window)  # [B, Hkv, C]
+  scores = _group_softmax_sum(slot_logits_xla(q, state, plan.r), valid)
+  _, best = jax.lax.top_k(jnp.where(valid, scores, -jnp.inf), k)  # ties: the lower slot
+  picked = jnp.take_along_axis(valid, best, axis=-1)
+  return jnp.where(picked, best, c + jnp.arange(k)).astype(jnp.int32)
