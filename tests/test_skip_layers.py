@@ -89,7 +89,7 @@ def _rows(parts):
            row[-1][2]) for row in parts]
 
 
-@pytest.mark.parametrize("spec", ["rocketkv", "rocketkv_mt", "rocketkv:lowrank"])
+@pytest.mark.parametrize("spec", ["rocketkv", "rocketkv_mt", "rocketkv:lowrank", "rocketkv:quant"])
 def test_skipped_layers_are_dense_and_later_layers_unchanged(spec):
   plan = rocketkv.plan(_config(spec, SKIP), L, NEW, D)
   plan0 = rocketkv.plan(_config(spec, 0), L, NEW, D)
