@@ -91,17 +91,9 @@ def pack(codes: jax.Array, bits: int) -> jax.Array:
 
 def planes(rows: jax.Array, bits: int) -> list[jax.Array]:
   """uint8 [..., Nb] packed rows -> per float32 [..., Nb] code planes: plane j holds slots
-  [j * Nb, (j + 1) * Nb).
-
-  Float arithmetic on the converted bytes (exact: integers < 256), which XLA:CPU vectorises;
-  integer shifts and masks on bytes measured ~2x slower here."""
-  x = rows.astype(jnp.float32)
-  out = []
-  for _ in range(8 // bits - 1):
-    high = jnp.floor(x * (1.0 / 2 ** bits))
-    out.append(x - high * 2 ** bits)
-    x = high
-  return out + [x]
+  [j * Nb, (j + 1) * Nb)."""
+  x = rows.astype(jnp.int32)
+  return [((x >> (j * bits)) & (2 ** bits - 1)).astype(jnp.float32) for j in range(8 // bits)]
 
 
 def channel_grid(k: jax.Array, valid: jax.Array, bits: int):
