@@ -99,6 +99,16 @@ def means(res) -> str:
 TABLES = {"per-length": per_length, "claims": claims, "means": means}
 
 
+def _load(path):
+  try:
+    res = report.load_json(path)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"cannot read results JSON {path!r}: {e}") from None
+  if not isinstance(res, dict) or not isinstance(res.get("records"), list):
+    raise ValueError(f"{path!r} is not a results JSON (it has no records)")
+  return res
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("results", help="a results JSON (examples/evaluate.py)")
@@ -109,18 +119,18 @@ def main(argv=None):
   p.add_argument("--budget", type=int, default=None, help="with --compare: the token budget")
   p.add_argument("--methods", nargs="+", default=None,
                  help="with --compare: the methods to compare (default: every other one)")
+  p.add_argument("--with", dest="others", nargs="+", default=[], metavar="JSON",
+                 help="with --compare: later runs of the same cells (same seed and samples) whose "
+                      "other methods join the comparison; records both runs hold must be identical")
   a = p.parse_args(argv)
   try:
     if (a.table is None) == (a.compare is None):
       raise ValueError(f"give one of a table ({', '.join(TABLES)}) or --compare METHOD")
-    if a.compare is None and (a.budget is not None or a.methods is not None):
-      raise ValueError("--budget and --methods go with --compare")
-    try:
-      res = report.load_json(a.results)
-    except (OSError, ValueError) as e:
-      raise ValueError(f"cannot read results JSON {a.results!r}: {e}") from None
-    if not isinstance(res, dict) or not isinstance(res.get("records"), list):
-      raise ValueError(f"{a.results!r} is not a results JSON (it has no records)")
+    if a.compare is None and (a.budget is not None or a.methods is not None or a.others):
+      raise ValueError("--budget, --methods and --with go with --compare")
+    res = _load(a.results)
+    if a.others:
+      res = report.pool(res, [_load(path) for path in a.others])
     if a.compare is not None:
       out = report.compare_markdown(res, a.compare, a.methods, a.budget)
     else:

@@ -225,6 +225,29 @@ def test_compare_markdown_rows_and_summary_lines():
   assert md.splitlines()[-1].endswith("interval contains 0 in 0.")
 
 
+def test_compare_pools_a_later_run_of_other_methods(tmp_path, capsys):
+  """--with: a later run adds a method beside the committed ones; the records both hold must be
+  identical, and the pooled comparison pairs the new method's samples with the old reference."""
+  res, rk, _ = _run()
+  old = dict(res, records=[r for r in res["records"] if r["method"] != "rocketkv"])
+  new = dict(res, records=[r for r in res["records"] if r["method"] in ("rocketkv", "full")])
+  (tmp_path / "old.json").write_text(json.dumps(old))
+  (tmp_path / "new.json").write_text(json.dumps(new))
+  TABLES["main"](["--compare", "full", "--budget", "256", str(tmp_path / "old.json"),
+                  "--methods", "rocketkv", "--with", str(tmp_path / "new.json")])
+  d, lo, hi = (100 * x for x in stats.paired_bootstrap_diff(rk, FULL))
+  assert f"| passkey | 2K | rocketkv | 10 | 70.0 | 60.0 | {d:+.1f} [{lo:+.1f}, {hi:+.1f}] |" in (
+      capsys.readouterr().out)
+  bad = dict(new, records=[dict(r, score=1 - r["score"]) if r["method"] == "full" else r
+                           for r in new["records"]])
+  (tmp_path / "bad.json").write_text(json.dumps(bad))
+  with pytest.raises(SystemExit) as e:
+    TABLES["main"](["--compare", "full", "--budget", "256", str(tmp_path / "old.json"),
+                    "--with", str(tmp_path / "bad.json")])
+  assert e.value.code == 2 and "runs disagree on ('passkey', 2048, 5, 'full', None" in (
+      capsys.readouterr().err)
+
+
 def test_compare_command_line(tmp_path, capsys):
   res, _, _ = _run()
   path = tmp_path / "r.json"
@@ -245,7 +268,8 @@ def test_compare_command_line(tmp_path, capsys):
        "methods ['quest'] have no records"),
       ([str(path), "means", "--compare", "full"], "give one of a table"),
       ([str(path)], "give one of a table"),
-      ([str(path), "means", "--budget", "256"], "--budget and --methods go with --compare"),
+      ([str(path), "means", "--budget", "256"], "--budget, --methods and --with go with"),
+      ([str(path), "means", "--with", str(path)], "--budget, --methods and --with go with"),
       ([str(tmp_path / "missing.json"), "--compare", "full"], "cannot read results JSON"),
       ([str(tmp_path / "list.json"), "--compare", "full"], "is not a results JSON")):
     with pytest.raises(SystemExit) as e:

@@ -101,6 +101,26 @@ def merge(results: list[dict]) -> dict:
                     for r in results])
 
 
+def pool(result: dict, others: list[dict]) -> dict:
+  """`result` with the records of `others` (later runs of the same cells, e.g. a new method run
+  beside committed ones with the same seed and samples) that it lacks. A record both hold must be
+  identical -- the check that the later run reproduces the committed one -- else ValueError."""
+  key = lambda x: (x["task"], x["context_len"], x["index"], x["method"], x["budget"],
+                   x.get("turn"))
+  have = {key(x): x for x in result["records"]}
+  records = list(result["records"])
+  for other in others:
+    for x in other["records"]:
+      k = key(x)
+      if k not in have:
+        have[k] = x
+        records.append(x)
+      elif have[k] != x:
+        raise ValueError(f"runs disagree on {k} (task, length, sample, method, budget, turn): "
+                         "pool only runs of the same seed and code")
+  return dict(result, records=records)
+
+
 def aggregate(records: list[dict]) -> dict:
   """{(task, length, method, budget): (mean score x 100, n)}."""
   acc = collections.defaultdict(list)
