@@ -64,7 +64,8 @@ class RocketConfig:
   sink_size: int = 4
   stage2: str = "minmax"
   # Defaults keep the bytes read per step <= 1.2x minmax at 32K / B=256 / D=128 (counted in
-  # benchmarks/decode_attention.py): rerank 1.13x, lowrank 1.10x (README, "Stage-2 variants").
+  # benchmarks/decode_attention.py): rerank 1.13x, lowrank 1.10x, quant 0.88x (README,
+  # "Stage-2 variants"); quant_bits=4 is the calibration's pick (results/README).
   rerank_factor: float = 1.5
   lowrank_page_size: int = 128
   lowrank_rank: int = 8
