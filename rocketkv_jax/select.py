@@ -152,6 +152,27 @@ def top_slots(chunk_scores: jax.Array, valid: jax.Array, chunk_size: int, k: int
   return out.at[bi, hi, dest].set(slots.astype(jnp.int32), mode="drop")
 
 
+def top_scored_slots(scores: jax.Array, ok: jax.Array, k: int, capacity: int,
+                     slot_of=None) -> jax.Array:
+  """The k best `ok` entries of per-entry scores, as cache slots (the per-token stage-2 variants'
+  last step).
+
+  Args:
+    scores: [B, Hkv, N] scores.
+    ok: [B, Hkv, N] bool, the entries that may be picked.
+    k: entries to pick (static, <= N).
+    capacity: C, the cache's slots.
+    slot_of: maps picked entry indices [B, Hkv, k] to slots (default: the index is the slot).
+  Returns:
+    int32 [B, Hkv, k], ties to the lower entry; where fewer than k entries are `ok`, distinct
+    invalid slots C + j (which `attend` masks).
+  """
+  _, best = lax.top_k(jnp.where(ok, scores, -jnp.inf), k)
+  picked = jnp.take_along_axis(ok, best, axis=-1)
+  slot = best if slot_of is None else slot_of(best)
+  return jnp.where(picked, slot, capacity + jnp.arange(k)).astype(jnp.int32)
+
+
 def streaming_slots(cache: KVCache, sink_size: int, k: int) -> jax.Array:
   """StreamingLLM's read: the sink slots and the most recent ones; all of [0, k) while the
   sequence holds <= k slots. Returns int32 [B, Hkv, k]."""

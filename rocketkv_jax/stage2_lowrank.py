@@ -38,7 +38,7 @@ from jax import lax
 from rocketkv_jax._checks import require
 from rocketkv_jax.cache import KVCache, valid_slots
 from rocketkv_jax.budget import Plan
-from rocketkv_jax.select import _group_softmax_sum, check_query
+from rocketkv_jax.select import _group_softmax_sum, check_query, top_scored_slots
 
 
 @struct.dataclass
@@ -113,11 +113,6 @@ def build(cache: KVCache, plan: Plan) -> LowRankState:
                       n_prompt=jnp.array(cache.length, jnp.int32, copy=True), page_size=p)
 
 
-def attach(cache: KVCache, plan: Plan):
-  """The decode state of a prefilled cache: a `LowRankState` for lowrank plans, else the cache."""
-  return build(cache, plan) if plan.stage2 == "lowrank" else cache
-
-
 def slot_logits_xla(q: jax.Array, state: LowRankState, window: int):
   """Approximate logits of the prompt slots and exact logits of the decode window.
 
@@ -174,10 +169,11 @@ def select_lowrank(q: jax.Array, state: LowRankState, plan: Plan, *,
   win_ok = win_ok & (win_slots >= state.n_prompt[:, None, None])
   ok = jnp.concatenate([prompt_ok, win_ok], axis=-1)  # [B, Hkv, NP * P + W]
   scores = _group_softmax_sum(logits, ok)
-  _, best = lax.top_k(jnp.where(ok, scores, -jnp.inf), k)
-  slot = best
-  if w:
+
+  def slot_of(best):  # entries [0, n) are prompt slots, the rest the window's
+    if not w:
+      return best
     from_win = jnp.take_along_axis(win_slots, jnp.clip(best - n, 0, w - 1), axis=-1)
-    slot = jnp.where(best < n, best, from_win)
-  picked = jnp.take_along_axis(ok, best, axis=-1)
-  return jnp.where(picked, slot, c + jnp.arange(k)).astype(jnp.int32)
+    return jnp.where(best < n, best, from_win)
+
+  return top_scored_slots(scores, ok, k, c, slot_of)

@@ -45,7 +45,7 @@ from rocketkv_jax._checks import require
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, _write_rows, valid_slots
 from rocketkv_jax.ops import bound_rows_and_query, group_queries
-from rocketkv_jax.select import _group_softmax_sum, check_query
+from rocketkv_jax.select import _group_softmax_sum, check_query, top_scored_slots
 
 BITS = (1, 2, 4, 8)
 
@@ -189,6 +189,4 @@ def select_quant(q: jax.Array, state: QuantState, plan: Plan, *,
   k = min(plan.top_k, c)
   valid = valid_slots(cache, sliding_window)  # [B, Hkv, C]
   scores = _group_softmax_sum(slot_logits_xla(q, state, plan.r), valid)
-  _, best = jax.lax.top_k(jnp.where(valid, scores, -jnp.inf), k)  # ties: the lower slot
-  picked = jnp.take_along_axis(valid, best, axis=-1)
-  return jnp.where(picked, best, c + jnp.arange(k)).astype(jnp.int32)
+  return top_scored_slots(scores, valid, k, c)

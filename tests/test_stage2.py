@@ -18,9 +18,9 @@ import rocketkv_jax as rocketkv
 import reference as ref
 from rocketkv_jax.eval import variants
 from rocketkv_jax.stage2_lowrank import slot_logits_xla
-from rocketkv_jax.stage2_quant import QuantState
+from rocketkv_jax.stage2_quant import build as quant_build
 from rocketkv_jax.stage2_rerank import candidate_scores_xla
-from rocketkv_jax.stage2_state import state_type
+from rocketkv_jax.stage2_state import attach, state_type
 
 D, HKV, G = 16, 2, 4
 HQ = HKV * G
@@ -147,6 +147,16 @@ def _check_selection(idx, want_sets, scores_of, valid, top_k):
                                rtol=1e-5, atol=1e-6)
     if _separated(np.array(list(sc.values())), len(want_sets[h])):
       assert set(ok) == want_sets[h]
+
+
+def _valid(length, c, window):
+  """[Hkv, C] bool: the slots a sequence of `length` prompt slots (slot = position) may read
+  from its newest token, within `window` if given."""
+  pos = np.arange(c)
+  valid = pos < length
+  if window is not None:
+    valid = valid & (length - 1 - pos < window)
+  return np.broadcast_to(valid, (HKV, c))
 
 
 def _keys(seed, b, c, lengths):
@@ -329,11 +339,7 @@ def test_lowrank_select_matches_reference(seed, page, rank, top_k, window):
   q = np.random.default_rng(seed + 30).standard_normal((2, HQ, D)).astype(np.float32)
   idx = np.asarray(rocketkv.select(jnp.asarray(q), state, plan, sliding_window=window))
   for b in range(2):
-    pos = np.arange(c)
-    valid = pos < lengths[b]
-    if window is not None:
-      valid = valid & (lengths[b] - 1 - pos < window)
-    valid = np.broadcast_to(valid, (HKV, c))
+    valid = _valid(lengths[b], c, window)
     want, scores = ref_lowrank_select(q[b], k[b], valid, lengths[b], page, rank, top_k)
     _check_selection(idx[b], want, lambda h: dict(enumerate(scores[h])), valid, top_k)
 
@@ -349,18 +355,13 @@ def test_quant_select_matches_reference(seed, bits, top_k, window):
   cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, top_k=top_k, r=r, stage2="quant",
                               quant_bits=bits, capacity=c)
   plan = rocketkv.plan(cfg, c, 0, D)
-  from rocketkv_jax.stage2_quant import build
-  state = build(rocketkv.full_cache(jnp.asarray(k), jnp.asarray(k), c, 0, jnp.asarray(lengths)),
-                plan)
+  cache = rocketkv.full_cache(jnp.asarray(k), jnp.asarray(k), c, 0, jnp.asarray(lengths))
+  state = quant_build(cache, plan)
   assert state.codes.shape == (2, HKV, D, -(-c * bits // 8)) and state.codes.dtype == jnp.uint8
   q = np.random.default_rng(seed + 70).standard_normal((2, HQ, D)).astype(np.float32)
   idx = np.asarray(rocketkv.select(jnp.asarray(q), state, plan, sliding_window=window))
   for b in range(2):
-    pos = np.arange(c)
-    valid = pos < lengths[b]
-    if window is not None:
-      valid = valid & (lengths[b] - 1 - pos < window)
-    valid = np.broadcast_to(valid, (HKV, c))
+    valid = _valid(lengths[b], c, window)
     want, scores = ref_quant_select(q[b], k[b], valid, lengths[b], r, bits, top_k)
     _check_selection(idx[b], want, lambda h: dict(enumerate(scores[h])), valid, top_k)
 
@@ -377,7 +378,6 @@ def test_quant_8_bits_selects_what_exact_r_dim_scores_select():
     cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, top_k=8, r=D, stage2=s2,
                                 capacity=c, **extra)
     plan = rocketkv.plan(cfg, c, 0, D)
-    from rocketkv_jax.stage2_state import attach
     cache = rocketkv.full_cache(jnp.asarray(k), jnp.asarray(k), c, plan.chunk_size,
                                 jnp.asarray(lengths))
     picks[s2] = np.sort(np.asarray(rocketkv.select(jnp.asarray(q), attach(cache, plan), plan)))
