@@ -17,8 +17,8 @@ constant in XLA's optimised HLO, the resident memory it adds (after `malloc_trim
 its serialized form, and with --reload the time and memory of loading that form back.
 `layer-loop` compiles that program with the decoder's layer loop unrolled and scanned
 (`llama.LayerStack`, what the runner uses) and times both, interleaved, on random prompt K/V:
-the cost of the scanned loop per decode step. Run each mode in its own process (peak RSS is
-per process) and on an otherwise idle machine.
+the cost of the scanned loop per decode step, and whether both give the same tokens. Run each
+mode in its own process (peak RSS is per process) and on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -126,12 +126,16 @@ def _layer_loop(model, a) -> None:
               f"{progs[scan, n].as_text().count('fusion(')}, resident "
               f"+{_resident_mb() - before:.0f} MB", flush=True)
   best = {key: float("inf") for key in progs}
+  outs = {}
   for _ in range(a.rounds):
     for key, prog in progs.items():
-      jax.block_until_ready(prog(*args))  # warm, then timed
+      outs[key] = jax.block_until_ready(prog(*args))  # warm, then timed
       t0 = time.perf_counter()
       jax.block_until_ready(prog(*args))
       best[key] = min(best[key], time.perf_counter() - t0)
+  same = all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in
+             zip(jax.tree.leaves(outs[False, mn]), jax.tree.leaves(outs[True, mn])))
+  print(f"tokens of the two forms identical: {same}", flush=True)
   step = {s: 1e3 * (best[s, mn] - best[s, 1]) / (mn - 1) for s in (False, True)}
   print(f"{a.method}@{a.budget}, {length} x {b}, {mn} new, best of {a.rounds}: unrolled "
         f"{step[False]:.1f} ms/step, scanned {step[True]:.1f} ms/step "

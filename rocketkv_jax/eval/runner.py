@@ -308,9 +308,9 @@ class Runner:
     memory"). The sweep calls this between (task, length) groups whose shapes differ; programs
     a later group needs are compiled again (or loaded from `--cache-dir`).
 
-    The programs are also large in memory: the 31 of an 8K sweep group (SmolLM2, batch 10)
-    held 5.7 GB. Freed, that memory stays in the C allocator's per-thread pools (6.9 GB
-    resident after release) until `malloc_trim` hands it back (1.0 GB), which this calls
+    The programs also take memory: the 31 of an 8K sweep group (SmolLM2, batch 10) held 5.7 GB
+    with the layers unrolled, 1.2 GB scanned (`llama.LayerStack`). Freed, that memory stays in
+    the C allocator's per-thread pools until `malloc_trim` hands it back, which this calls
     where glibc provides it."""
     for fut in self._futures.values():
       fut.cancel()
