@@ -332,8 +332,8 @@ def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarr
   are unrolled (XLA reads each weight and updates each donated cache in place); with a
   `LayerStack` (`stack_cache`) each run of like layers is one `lax.scan` (`layer_scan`: the
   caches are still written in place), which compiles ~N times fewer ops -- for long-lived decode
-  loops, where the one-time stacking of the cache is cheap. Weights are read in place in both
-  forms (per-layer params; stacked layers are sliced per layer).
+  loops, where the one-time stacking of the cache is cheap. Both read each layer's weights in
+  place.
 
   Args:
     params: parameter pytree.
@@ -346,7 +346,8 @@ def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarr
     (logits `[B, V]` fp32 for the next token, updated cache of the same form).
   """
   n = config.num_layers
-  layers_given = cache.spans[-1][1] if isinstance(cache, LayerStack) and cache.spans else len(cache)
+  stacked = isinstance(cache, LayerStack)
+  layers_given = sum(hi - lo for lo, hi in cache.spans) if stacked else len(cache)
   if layers_given != n:
     raise ValueError(f"cache must hold {n} layer states, got {layers_given}")
   check_num_layers(plan, n)
@@ -362,11 +363,9 @@ def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarr
 
   pre = lambda lp, x: qkv(lp, config, x, pos)
   post = lambda lp, x, out: mlp_residual(lp, config, attn_residual(lp, x, out[:, :, None, :]))
-  layers = params["layers"]
-  if not isinstance(layers, (list, tuple)):  # stacked layers: static slices
-    layers = [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)]
+  layers = params["layers"]  # one dict per layer (what the loaders make)
 
-  if not isinstance(cache, LayerStack):
+  if not stacked:
     # The method decides which layers stay dense (`layer=i`: e.g. Quest's first two).
     new_cache = []
     for i, (lp, state) in enumerate(zip(layers, cache)):  # unrolled: in-place caches

@@ -39,18 +39,19 @@ class _Scope:
   def __init__(self, layer: jax.Array, stacks: list):
     self.layer = layer
     self.stacks = stacks
-    self.latest: dict[int, tuple[Any, int]] = {}  # id(view) -> (view, leaf index)
+    self.views: list[Any] = [None] * len(stacks)  # the latest view of each stacked leaf
+    self.leaf: dict[int, int] = {}  # id(a view ever made) -> its leaf index
 
   def view(self, j: int) -> jax.Array:
     v = lax.dynamic_index_in_dim(self.stacks[j], self.layer, 0, keepdims=False)
-    self.latest = {key: val for key, val in self.latest.items() if val[1] != j}
-    self.latest[id(v)] = (v, j)
+    self.views[j] = v
+    self.leaf[id(v)] = j
     return v
 
   def leaf_of(self, x) -> int | None:
     """The leaf index when `x` is the latest view of a stacked leaf, else None."""
-    hit = self.latest.get(id(x))
-    return hit[1] if hit is not None and hit[0] is x else None
+    j = self.leaf.get(id(x))
+    return j if j is not None and self.views[j] is x else None
 
 
 @contextlib.contextmanager

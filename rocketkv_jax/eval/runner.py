@@ -104,8 +104,6 @@ def _greedy_loop(params, cache, first, seen, eos, *, config, plan, max_new_token
   return s.tokens, s.step, s.cache
 
 
-
-
 def _build_stack(k, v, qw, lengths, plan) -> llama.LayerStack:
   """The method's states from the stored prompt K/V `[N, ...]`, scanned over layers, as the
   scanned decode loop's `LayerStack`. The method's dense layers (`layer=i`: every prompt token
