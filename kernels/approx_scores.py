@@ -6,7 +6,7 @@ its kmin; logit = q_r . k_bound_r scaled by 1/sqrt(D * sum|q_r| / sum|q|) per qu
 softmax over the valid chunks per query head; sum over the group.
 
 The summaries come in the cache's layout, `bounds [B, Hkv, 2D, NC]` (kmin rows, then kmax rows,
-see `rocketkv_jax.cache`). The top-r dims and their rows (d, or D + d where the sign picks kmax)
+see `rocketkv_jax.cache`; one copy of the keys, D rows, for chunks of one slot). The top-r dims and their rows (d, or D + d where the sign picks kmax)
 are picked in XLA (`lax.top_k` over [B, Hkv, D], tiny). The kernel, grid (batch, KV head, chunk
 block), gathers just those r rows of `block_c` chunks straight from the cache ([R, block_c], R =
 r padded to a power of two >= 16, padding rows masked: no HBM traffic) and computes the G logit
@@ -63,8 +63,9 @@ def _check(q, bounds, length, chunk_size, r):
   require_rank("bounds", bounds, 4, "[B, Hkv, 2D, NC]")
   b, hkv, d2, nc = bounds.shape
   d = q.shape[2]
-  require(q.shape[0] == b and d2 == 2 * d,
-          f"q [B, Hq, D] and bounds [B, Hkv, 2D, NC] disagree: {q.shape} and {bounds.shape}")
+  require(q.shape[0] == b and d2 in (d, 2 * d),
+          f"q [B, Hq, D] and bounds [B, Hkv, 2D or D, NC] disagree: {q.shape} and "
+          f"{bounds.shape}")
   group_size(q.shape[1], hkv, "q")
   require(getattr(length, "shape", None) == (b,),
           f"length must have shape [B]={(b,)}, got {getattr(length, 'shape', None)}")
@@ -84,7 +85,7 @@ def approx_bounds_scores(q: jax.Array, bounds: jax.Array, length: jax.Array, *,
   Args:
     q: [B, Hq, D] decode query (post-RoPE).
     bounds: [B, Hkv, 2D, NC] per-chunk key min rows then max rows (`KVCache.bounds`; bf16 or
-      fp32).
+      fp32), or with chunk_size 1 the keys' one copy [B, Hkv, D, C].
     length: [B] int32 valid slots; chunk c is valid when c * chunk_size < length.
     chunk_size: slots per chunk (static).
     r: head dims kept (static).
@@ -104,7 +105,8 @@ def approx_bounds_scores(q: jax.Array, bounds: jax.Array, length: jax.Array, *,
   rp = padded_dim(r)
 
   qg = group_queries(q, hkv).astype(jnp.float32)
-  _, rows, q_r = bound_rows_and_query(qg, r)  # [B, Hkv, r] rows of bounds, [B, Hkv, G, r]
+  # [B, Hkv, r] rows of bounds, [B, Hkv, G, r]
+  _, rows, q_r = bound_rows_and_query(qg, r, two_sided=bounds.shape[2] == 2 * d)
   rows = jnp.pad(rows.astype(jnp.int32), ((0, 0), (0, 0), (0, rp - r)), constant_values=-1)
   q_r = jnp.pad(q_r, ((0, 0), (0, 0), (0, 0), (0, rp - r)))
 
@@ -115,7 +117,7 @@ def approx_bounds_scores(q: jax.Array, bounds: jax.Array, length: jax.Array, *,
       kernel, grid=(b, hkv, ncb),
       in_specs=[pl.BlockSpec((None, None, rp), lambda i, h, c: (i, h, 0)),
                 pl.BlockSpec((None, None, g, rp), lambda i, h, c: (i, h, 0, 0)),
-                pl.BlockSpec((None, None, 2 * d, nc), lambda i, h, c: (i, h, 0, 0))],
+                pl.BlockSpec((None, None, bounds.shape[2], nc), lambda i, h, c: (i, h, 0, 0))],
       out_specs=pl.BlockSpec((None, None, g, bc), lambda i, h, c: (i, h, 0, c)),
       out_shape=jax.ShapeDtypeStruct((b, hkv, g, ncb * bc), jnp.float32),
       compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,

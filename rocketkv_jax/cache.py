@@ -8,7 +8,10 @@ same number of valid slots, `length[b]`. Slots `>= length[b]` are padding (zeros
 valid keys of each chunk of `chunk_size` consecutive slots; a chunk without valid slots holds
 zeros (never +-inf, so a product with a zero query stays finite). They are stored together,
 dim-major: `bounds [B, Hkv, 2D, NC]`, rows `d` = kmin[..., d] and `D + d` = kmax[..., d], so that
-stage 2 reads just the r rows it needs (one contiguous gather; see `select`).
+stage 2 reads just the r rows it needs (one contiguous gather; see `select`). With
+`chunk_size == 1` every chunk is one slot and kmin = kmax = its key, so `bounds [B, Hkv, D, C]`
+holds that one copy (row d = k[..., d], the keys dim-major; `two_sided` tells them apart): SparQ's
+cache, and RocketKV's where the split gives chunks of 1, hold 1.5 caches of K/V instead of 2.
 
 Full cache behaviour (documented contract): `append` on a full sequence never writes out of
 bounds: the newest token replaces the one in the last slot (its chunk's min/max stay a valid
@@ -76,7 +79,8 @@ class KVCache:
   Properties:
     k, v: [B, Hkv, C, D] keys (post-RoPE) and values, in `dtype`.
     kmin, kmax: [B, Hkv, NC, D] per-chunk min / max of the valid keys, in `dtype`.
-    bounds: [B, Hkv, 2D, NC] both, dim-major (kmin rows, then kmax rows), in `dtype`.
+    bounds: [B, Hkv, 2D, NC] both, dim-major (kmin rows, then kmax rows), in `dtype`; with
+      chunk_size 1, [B, Hkv, D, C] (kmin = kmax = the keys; module doc).
   Attributes:
     k_raw, v_raw, bounds_raw: storage of k, v, bounds (uint16 bits for 16-bit floats).
     pos: [B, Hkv, C] int32 absolute token position held by each slot (-1: empty).
@@ -119,7 +123,9 @@ class KVCache:
 
   @property
   def kmax(self) -> jax.Array:
-    return jnp.swapaxes(self.bounds[:, :, self.k_raw.shape[3]:], 2, 3)
+    d = self.k_raw.shape[3]
+    return jnp.swapaxes(self.bounds[:, :, d:] if self.bounds_raw.shape[2] == 2 * d else
+                        self.bounds, 2, 3)
 
   @property
   def capacity(self) -> int:
@@ -162,6 +168,19 @@ def bounds_of(kmin: jax.Array, kmax: jax.Array) -> jax.Array:
   return jnp.concatenate([jnp.swapaxes(kmin, 2, 3), jnp.swapaxes(kmax, 2, 3)], axis=2)
 
 
+def summary_bounds(kmin: jax.Array, kmax: jax.Array, chunk_size: int) -> jax.Array:
+  """The cache's stored summaries: `bounds_of(kmin, kmax)`, or with chunk_size 1 (kmin = kmax)
+  the one copy `[B, H, D, C]` (module doc)."""
+  return jnp.swapaxes(kmin, 2, 3) if chunk_size == 1 else bounds_of(kmin, kmax)
+
+
+def two_sided(bounds: jax.Array, head_dim: int) -> bool:
+  """Whether `bounds [B, H, rows, NC]` holds kmin and kmax rows (2D) or one copy (D rows)."""
+  require(bounds.shape[2] in (head_dim, 2 * head_dim),
+          f"bounds must have D={head_dim} or 2D={2 * head_dim} rows, got {bounds.shape[2]}")
+  return bounds.shape[2] == 2 * head_dim
+
+
 def from_kept(k: jax.Array, v: jax.Array, pos: jax.Array, length: jax.Array,
               seen: jax.Array, capacity: int, chunk_size: int) -> KVCache:
   """Builds a cache from the kept rows `k, v [B, Hkv, N, D]` (valid ones first), N <= capacity.
@@ -178,7 +197,7 @@ def from_kept(k: jax.Array, v: jax.Array, pos: jax.Array, length: jax.Array,
   pos = jnp.where(valid[:, None, :], pos, -1)
   kmin, kmax = chunk_summaries(k, length, chunk_size)
   return KVCache(k_raw=to_storage(k), v_raw=to_storage(v),
-                 bounds_raw=to_storage(bounds_of(kmin, kmax)), pos=pos,
+                 bounds_raw=to_storage(summary_bounds(kmin, kmax, chunk_size)), pos=pos,
                  # Distinct buffers, so that a donated cache never donates one buffer twice.
                  length=jnp.array(length, jnp.int32, copy=True),
                  seen=jnp.array(seen, jnp.int32, copy=True),
@@ -269,8 +288,9 @@ def append(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
     j = start[:, None] + jnp.arange(width)
     in_chunk = ((j >= ci[:, None] * cs) & (j <= slot[:, None]))[:, None, :, None]
     big = jnp.asarray(jnp.finfo(cache.dtype).max, cache.dtype)
-    col = jnp.concatenate([jnp.min(jnp.where(in_chunk, rows, big), axis=2),
-                           jnp.max(jnp.where(in_chunk, rows, -big), axis=2)], axis=-1)
+    col = jnp.min(jnp.where(in_chunk, rows, big), axis=2)
+    if cs > 1:  # chunk_size 1 keeps one copy (module doc)
+      col = jnp.concatenate([col, jnp.max(jnp.where(in_chunk, rows, -big), axis=2)], axis=-1)
     bounds_raw = _write_rows(bounds_raw, col, ci, axis=3)  # column ci of [B, Hkv, 2D, NC]
   seen = jnp.broadcast_to(cache.seen[:, None], cache.pos.shape[:2])
   return cache.replace(k_raw=k_raw, v_raw=_write_rows(cache.v_raw, vn, slot),
@@ -309,7 +329,8 @@ def extend(cache: KVCache, k: jax.Array, v: jax.Array,
   length = cache.length + written
   kmin, kmax = chunk_summaries(from_storage(kk, cache.dtype), length, cache.chunk_size)
   return cache.replace(k_raw=kk, v_raw=vv,
-                       bounds_raw=_storage_like(bounds_of(kmin, kmax), cache.bounds_raw),
+                       bounds_raw=_storage_like(summary_bounds(kmin, kmax, cache.chunk_size),
+                                                cache.bounds_raw),
                        pos=pos, length=length,
                        seen=cache.seen + lengths,
                        overflow=cache.overflow | (written < lengths))

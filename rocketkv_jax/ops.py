@@ -79,20 +79,26 @@ def approx_scale(q_r: jax.Array, qg: jax.Array) -> jax.Array:
   return lax.rsqrt(jnp.float32(qg.shape[-1]) * jnp.where(frac > 0, frac, 1.0))
 
 
-def bound_rows_and_query(qg: jax.Array, r: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def bound_rows_and_query(qg: jax.Array, r: int,
+                         two_sided: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The r summary rows one RocketKV approximate score reads, and the scaled query on them.
 
   Args:
     qg: [B, Hkv, G, D] float32 queries grouped by KV head.
     r: dims to keep (static).
+    two_sided: the summaries hold kmin and kmax rows (`KVCache.bounds` [.., 2D, NC]); False for
+      one copy of the keys ([.., D, C], chunks of one slot: `cache.two_sided`).
   Returns:
     (ridx [B, Hkv, r] the kept dims (`top_r_dims`),
      rows [B, Hkv, r] their rows of `KVCache.bounds`: d + D (kmax) where the group-summed
-       q_d > 0, else d (kmin),
+       q_d > 0, else d (kmin); d with one copy,
      q_r [B, Hkv, G, r] q on those dims times `approx_scale`).
   """
   ridx, positive = top_r_dims(qg, r)
-  pos = jnp.take_along_axis(positive, ridx, axis=-1)
-  rows = ridx + qg.shape[-1] * pos.astype(ridx.dtype)
+  if two_sided:
+    pos = jnp.take_along_axis(positive, ridx, axis=-1)
+    rows = ridx + qg.shape[-1] * pos.astype(ridx.dtype)
+  else:
+    rows = ridx
   q_r = jnp.take_along_axis(qg, ridx[:, :, None, :], axis=-1)
   return ridx, rows, q_r * approx_scale(q_r, qg)[..., None]

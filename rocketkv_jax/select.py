@@ -22,7 +22,7 @@ from jax import lax
 
 from rocketkv_jax import _impl
 from rocketkv_jax._checks import group_size, require, require_rank
-from rocketkv_jax.cache import KVCache, bounds_of, valid_slots
+from rocketkv_jax.cache import KVCache, bounds_of, two_sided, valid_slots
 from rocketkv_jax.ops import (bound_rows_and_query, group_queries, masked_softmax,
                               sink_recent_indices)
 
@@ -51,14 +51,16 @@ def approx_bounds_scores_xla(q: jax.Array, bounds: jax.Array, length: jax.Array,
 
   Args:
     q: [B, Hq, D] decode query (post-RoPE).
-    bounds: [B, Hkv, 2D, NC] chunk summaries (`KVCache.bounds`: kmin rows, then kmax rows).
+    bounds: [B, Hkv, 2D, NC] chunk summaries (`KVCache.bounds`: kmin rows, then kmax rows), or
+      with chunk_size 1 the keys' one copy [B, Hkv, D, C].
     length, chunk_size, r: as in `approx_chunk_scores_xla`.
   Returns:
     [B, Hkv, NC] float32 group-summed softmax scores; 0 for chunks with no valid slot.
   """
   hkv, nc = bounds.shape[1], bounds.shape[3]
   qg = group_queries(q, hkv).astype(jnp.float32)
-  _, rows, q_r = bound_rows_and_query(qg, r)  # [B, Hkv, r] rows of bounds, [B, Hkv, G, r]
+  # [B, Hkv, r] rows of bounds, [B, Hkv, G, r]
+  _, rows, q_r = bound_rows_and_query(qg, r, two_sided(bounds, q.shape[2]))
   # The gathered rows in fp32 (the convert fuses into the gather): XLA:CPU has no bf16 x bf16
   # -> f32 kernel for every dot shape.
   k_r = jnp.take_along_axis(bounds, rows[..., None], axis=2).astype(jnp.float32)  # [B,Hkv,r,NC]
@@ -87,12 +89,13 @@ def quest_bounds_scores_xla(q: jax.Array, bounds: jax.Array, length: jax.Array,
   """`quest_chunk_scores_xla` on the cache's summary layout `bounds [B, Hkv, 2D, NC]`.
 
   Since kmax >= kmin, sum_d max(q_d kmin_d, q_d kmax_d) = min(q, 0) . kmin + max(q, 0) . kmax:
-  one [G, 2D] x [2D, NC] product per KV head.
+  one [G, 2D] x [2D, NC] product per KV head (pages of one slot, one copy of the keys: q . k).
   """
   d = q.shape[2]
   hkv, nc = bounds.shape[1], bounds.shape[3]
   qg = group_queries(q, hkv).astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
-  q2 = jnp.concatenate([jnp.minimum(qg, 0.0), jnp.maximum(qg, 0.0)], axis=-1)  # [B, Hkv, G, 2D]
+  q2 = (jnp.concatenate([jnp.minimum(qg, 0.0), jnp.maximum(qg, 0.0)], axis=-1)  # [.., G, 2D]
+        if two_sided(bounds, d) else qg)
   logits = jnp.einsum("bhgd,bhdc->bhgc", q2, bounds.astype(jnp.float32))
   return _group_softmax_sum(logits, _chunk_valid(length, nc, chunk_size))
 

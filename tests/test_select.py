@@ -93,3 +93,35 @@ def test_top_k_at_least_length_selects_every_valid_slot():
   idx = np.asarray(rocketkv.select(jnp.ones((1, 4, 16)), cache, plan))
   for h in range(2):
     assert set(range(17)) <= set(idx[0, h].tolist())
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_chunks_of_one_slot_keep_one_copy_of_the_keys(impl):
+  """chunk_size 1 (SparQ; RocketKV's split at large budgets): `bounds` holds the keys once,
+  dim-major ([B, Hkv, D, C], not kmin and kmax rows twice), kept so by `append`; the scores read
+  from it equal those of the two-sided [2D, C] layout built from kmin = kmax = k, and Quest's
+  bound on pages of one slot is q . k / sqrt(D) in float64."""
+  b, hkv, c, d, g, r = 2, 2, 24, 16, 3, 5
+  cache, k = _cache(7, b, hkv, c, d, [20, 9], 1)
+  rng = np.random.default_rng(8)
+  kn = jnp.asarray(rng.standard_normal((b, hkv, 1, d)), jnp.float32)
+  cache = rocketkv.append(cache, kn, kn)
+  k = np.asarray(cache.k, np.float64)
+  assert cache.bounds.shape == (b, hkv, d, c)
+  valid = np.arange(c)[None, :] < np.array([21, 10])[:, None]
+  want = np.where(valid[:, None, None, :], np.swapaxes(k, 2, 3), 0.0)
+  np.testing.assert_array_equal(np.asarray(cache.bounds, np.float64), want)
+  np.testing.assert_array_equal(np.asarray(cache.kmin), np.asarray(cache.kmax))
+  q = jnp.asarray(rng.standard_normal((b, g * hkv, d)), jnp.float32)
+  from rocketkv_jax.select import approx_chunk_scores_xla, approx_scores, quest_bounds_scores_xla
+  got = approx_scores(q, cache, r, impl=impl)
+  two = approx_chunk_scores_xla(q, cache.kmin, cache.kmax, cache.length, 1, r)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(two), rtol=1e-6, atol=1e-7)
+  quest = np.asarray(quest_bounds_scores_xla(q, cache.bounds, cache.length, 1))
+  qn = np.asarray(q, np.float64).reshape(b, hkv, g, d)
+  for bi, n in enumerate([21, 10]):
+    logits = np.einsum("hgd,hcd->hgc", qn[bi], k[bi, :, :n]) / np.sqrt(d)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p = (p / p.sum(-1, keepdims=True)).sum(1)
+    np.testing.assert_allclose(quest[bi, :, :n], p, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(quest[bi, :, n:], 0.0)
