@@ -188,7 +188,7 @@ def _last_token_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, length
 
 def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
                 config: ModelConfig, window: int, per_layer, block_size: int = 512,
-                static_layers: tuple[int, ...] = ()):
+                static_layers: tuple[int, ...] = (), stacked: bool = False):
   """The decoder over a right-padded prompt batch, keeping what the KV methods need.
 
   Every layer computes K/V for all tokens and queries for the last `window` valid tokens, and
@@ -202,7 +202,10 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
 
   Returns:
     (x_last `[B, D]` final hidden state at each sequence's last valid token,
-     outs: a tuple with `per_layer`'s result for each of the N layers).
+     outs: a tuple with `per_layer`'s result for each of the N layers; with `stacked`, a
+     `LayerStack` of them as the scans made them: each scanned run's results stacked, the
+     static layers and the last layer alone. Slicing a run's stacked results into layers is a
+     copy of them, which a scanned decode loop over the stack does not need.)
   """
   b, length = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
@@ -217,7 +220,7 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
                      i if i in static else None)
 
   x = params["embed"][tokens]
-  stacked = stack_layers(params)
+  stacked_params = stack_layers(params)
 
   def layer(x, lp, i=None):
     q, k, v = qkv(lp, config, x, positions)
@@ -228,31 +231,36 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
     x = mlp_residual(lp, config, attn_residual(lp, x, a))
     return x, out
 
-  outs = []
+  groups, spans = [], []  # results of runs of layers [lo, hi): stacked when scanned
   lo = 0
   while lo < n - 1:  # runs of scanned layers, and the static layers one by one
     if lo in static:
-      x, out = layer(x, jax.tree.map(lambda a: a[lo], stacked), lo)
-      outs.append(out)
+      x, out = layer(x, jax.tree.map(lambda a: a[lo], stacked_params), lo)
+      groups.append(out)
+      spans.append((lo, lo + 1))
       lo += 1
       continue
     hi = lo
     while hi < n - 1 and hi not in static:
       hi += 1
-    x, run = lax.scan(layer, x, jax.tree.map(lambda a: a[lo:hi], stacked))
-    outs += [jax.tree.map(lambda a, i=i: a[i], run) for i in range(hi - lo)]
+    x, run = lax.scan(layer, x, jax.tree.map(lambda a: a[lo:hi], stacked_params))
+    groups.append(run if hi - lo > 1 else jax.tree.map(lambda a: a[0], run))
+    spans.append((lo, hi))
     lo = hi
-  lp = jax.tree.map(lambda a: a[n - 1], stacked)
+  lp = jax.tree.map(lambda a: a[n - 1], stacked_params)
   q_window, k, v = qkv(lp, config, x, positions, q_rows=widx)
-  last_out = store(k, v, q_window, n - 1)
+  groups.append(store(k, v, q_window, n - 1))
+  spans.append((n - 1, n))
   a = _last_token_attention(q_window[:, :, -1], k, v, lengths, config.sliding_window)
   x = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
   x = mlp_residual(lp, config, attn_residual(lp, x, a[:, :, None, :]))
-  return x[:, 0], tuple(outs) + (last_out,)
+  stack = LayerStack(groups=tuple(groups), spans=tuple(spans))
+  return x[:, 0], (stack if stacked else unstack_cache(stack))
 
 
 def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
-            config: ModelConfig, plan, block_size: int = 512, impl: str = "auto"):
+            config: ModelConfig, plan, block_size: int = 512, impl: str = "auto",
+            stacked: bool = False):
   """Prompt pass that builds the compressed KV cache.
 
   Args:
@@ -263,16 +271,18 @@ def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
     plan: static `rocketkv.Plan` (chooses the KV method and its budget).
     block_size: static prefill attention tile.
     impl: "auto" | "xla" | "pallas", passed to `rocketkv.prefill`.
+    stacked: return the cache as a `LayerStack` for `decode_step`'s scanned layer loop, as the
+      prompt pass's scans made it (`prompt_pass`), instead of a tuple.
 
   Returns:
     (logits `[B, V]` fp32 at each sequence's last valid token,
-     cache: a tuple with one `rocketkv.prefill` state per layer; the method's dense layers
-     (`layer=i`, e.g. RocketKV's `skip_layers`) keep every prompt token).
+     cache: a tuple with one `rocketkv.prefill` state per layer (or their `LayerStack`); the
+     method's dense layers (`layer=i`, e.g. RocketKV's `skip_layers`) keep every prompt token).
   """
   check_num_layers(plan, config.num_layers)
   last, cache = prompt_pass(
       params, tokens, lengths, config=config, window=plan.window_size, block_size=block_size,
-      static_layers=methods.get(plan.method).dense_layers(plan),
+      static_layers=methods.get(plan.method).dense_layers(plan), stacked=stacked,
       per_layer=lambda k, v, qw, layer: kv_prefill(k, v, qw, plan, lengths=lengths, impl=impl,
                                                    layer=layer))
   return unembed(params, config, last), cache

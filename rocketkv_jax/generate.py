@@ -12,6 +12,11 @@ Structure (two compiled programs per (shapes, method, budget); none per step):
      over `models.llama.decode_step` (-> `rocketkv.decode_step` per layer), sampling each next
      token on device, stopping when every sequence hit EOS or `max_new_tokens`. An optional
      streaming callback receives each step's tokens through an ordered `io_callback`.
+  The cache passes between the two as the `llama.LayerStack` the prompt pass's layer scans made
+  (`llama.prefill(stacked=True)`), and the decode step scans over it: the KV method's ops are
+  compiled once instead of once per layer (a smaller, faster-compiling decode program), and
+  the prefill returns the scans' stacked states as they are instead of copying them out layer
+  by layer.
 
 Sharding: load the model with `rocketkv.models.load(path, mesh=sharding.make_mesh(tp, dp))`;
 `generate` is unchanged. It finds the mesh on the parameters, splits the batch over "dp" and
@@ -105,9 +110,10 @@ def _host_out(x, out_sharding):
 def _prefill_fn(params, tokens, lengths, key, sampler, *, config, plan, block_size, impl,
                 out_sharding):
   logits, cache = llama.prefill(params, tokens, lengths, config=config, plan=plan,
-                                block_size=block_size, impl=impl)
+                                block_size=block_size, impl=impl, stacked=True)
   view = methods.get(plan.method).view
-  kept = jnp.stack([jnp.max(view(c).length) for c in cache])  # [N] per layer, replicated
+  # [N] per layer, replicated (a stacked group's lengths are [layers, B])
+  kept = jnp.concatenate([jnp.max(view(g).length, axis=-1).reshape(-1) for g in cache.groups])
   return sampler(logits, jax.random.fold_in(key, 0)), cache, _host_out(kept, out_sharding)
 
 
