@@ -11,27 +11,18 @@ import pytest
 
 import rocketkv_jax as rocketkv
 from rocketkv_jax import cache as cache_lib
-from rocketkv_jax import layer_scan, methods
+from rocketkv_jax import layer_scan
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.config import ModelConfig
+from method_specs import SPECS, spec_plan
 
-NAMES = sorted(methods.REGISTRY)
-SPECS = NAMES + [f"{n}:{s}" for n in NAMES for s in methods.get(n).stage2_variants
-                 if s != "minmax"] + ["rocketkv:skip_layers"]
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4,
                   num_heads=4, num_kv_heads=2, head_dim=16, sliding_window=40)
 L, NEW = 48, 3
 
 
 def _plan(spec, length=L):
-  name, _, extra = spec.partition(":")
-  kw = dict(token_budget=16, window_size=4, page_size=4, sink_size=2, method=name,
-            lowrank_page_size=8, lowrank_rank=3)
-  if extra == "skip_layers":
-    kw["skip_layers"] = 2
-  elif extra:
-    kw["stage2"] = extra
-  return rocketkv.plan(rocketkv.RocketConfig(**kw), length, NEW, CFG.head_dim)
+  return spec_plan(spec, length, NEW, CFG.head_dim)
 
 
 def _both(spec, batch, dtype=jnp.float32):

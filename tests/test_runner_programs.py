@@ -11,28 +11,18 @@ import numpy as np
 import pytest
 
 import rocketkv_jax as rocketkv
-from rocketkv_jax import methods
 from rocketkv_jax.eval import runner as runner_lib
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.config import ModelConfig
+from method_specs import SPECS, spec_plan
 
-NAMES = sorted(methods.REGISTRY)
-SPECS = NAMES + [f"{n}:{s}" for n in NAMES for s in methods.get(n).stage2_variants
-                 if s != "minmax"] + ["rocketkv:skip_layers"]
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=5,
                   num_heads=4, num_kv_heads=2, head_dim=16)
 W, NEW = 4, 4
 
 
 def _plan(spec, length, config=CFG, page_size=4):
-  name, _, extra = spec.partition(":")
-  kw = dict(token_budget=16, window_size=W, page_size=page_size, sink_size=2, method=name,
-            lowrank_page_size=8, lowrank_rank=3)
-  if extra == "skip_layers":
-    kw["skip_layers"] = 2
-  elif extra:
-    kw["stage2"] = extra
-  return rocketkv.plan(rocketkv.RocketConfig(**kw), length, NEW, config.head_dim)
+  return spec_plan(spec, length, NEW, config.head_dim, window=W, page_size=page_size)
 
 
 def _prompt(batch, length, seed=0):
