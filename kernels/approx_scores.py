@@ -5,15 +5,16 @@ over the group; per kept dim take the chunk's kmax where the group-summed q is p
 its kmin; logit = q_r . k_bound_r scaled by 1/sqrt(D * sum|q_r| / sum|q|) per query head;
 softmax over the valid chunks per query head; sum over the group.
 
-The summaries come in the cache's layout, `bounds [B, Hkv, 2D, NC]` (kmin rows, then kmax rows,
-see `rocketkv_jax.cache`; one copy of the keys, D rows, for chunks of one slot). The top-r dims and their rows (d, or D + d where the sign picks kmax)
-are picked in XLA (`lax.top_k` over [B, Hkv, D], tiny). The kernel, grid (batch, KV head, chunk
-block), gathers just those r rows of `block_c` chunks straight from the cache ([R, block_c], R =
-r padded to a power of two >= 16, padding rows masked: no HBM traffic) and computes the G logit
-rows in fp32 as elementwise products summed over the rows (no tensor-core dot: a [G, R] x
-[R, block_c] fp32 product would pad G to 16 rows and run on Triton's slow IEEE-fp32 FMA path).
-The logits, [B, Hkv, G, NC] fp32 (G * 4 bytes per chunk, far less than the 2r * 2 bytes of
-summaries read), then go through the masked softmax and group sum in XLA (two small fusions).
+The summaries come in the cache's layout, `bounds [B, Hkv, 2D, NC]` (kmin rows, then kmax rows, see
+`rocketkv_jax.cache`; one copy of the keys, D rows, for chunks of one slot). The top-r dims and
+their rows (d, or D + d where the sign picks kmax) are picked in XLA (`lax.top_k` over [B, Hkv, D],
+tiny). The kernel, grid (batch, KV head, chunk block), gathers just those r rows of `block_c`
+chunks straight from the cache ([R, block_c], R = r padded to a power of two >= 16, padding rows
+masked: no HBM traffic) and computes the G logit rows in fp32 as elementwise products summed over
+the rows (no tensor-core dot: a [G, R] x [R, block_c] fp32 product would pad G to 16 rows and run
+on Triton's slow IEEE-fp32 FMA path). The logits, [B, Hkv, G, NC] fp32 (G * 4 bytes per chunk, far
+less than the 2r * 2 bytes of summaries read), then go through the masked softmax and group sum in
+XLA (two small fusions).
 
 On an H200 (results/kernels_h200.md) the first version, one program per (batch, KV head) with
 [16, D] x [D, block_c] IEEE-fp32 dots over all 2D rows, was 35-370x slower than the XLA path.
@@ -29,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from rocketkv_jax._checks import group_size, require, require_rank
+from rocketkv_jax.cache import two_sided
 from rocketkv_jax.ops import bound_rows_and_query, group_queries, masked_softmax
 
 from ._util import cdiv, compiler_params, next_pow2, padded_dim
@@ -106,7 +108,7 @@ def approx_bounds_scores(q: jax.Array, bounds: jax.Array, length: jax.Array, *,
 
   qg = group_queries(q, hkv).astype(jnp.float32)
   # [B, Hkv, r] rows of bounds, [B, Hkv, G, r]
-  _, rows, q_r = bound_rows_and_query(qg, r, two_sided=bounds.shape[2] == 2 * d)
+  _, rows, q_r = bound_rows_and_query(qg, r, two_sided(bounds, d))
   rows = jnp.pad(rows.astype(jnp.int32), ((0, 0), (0, 0), (0, rp - r)), constant_values=-1)
   q_r = jnp.pad(q_r, ((0, 0), (0, 0), (0, 0), (0, rp - r)))
 

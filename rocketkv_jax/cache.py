@@ -124,8 +124,8 @@ class KVCache:
   @property
   def kmax(self) -> jax.Array:
     d = self.k_raw.shape[3]
-    return jnp.swapaxes(self.bounds[:, :, d:] if self.bounds_raw.shape[2] == 2 * d else
-                        self.bounds, 2, 3)
+    return jnp.swapaxes(self.bounds[:, :, d:] if two_sided(self.bounds_raw, d) else self.bounds,
+                        2, 3)
 
   @property
   def capacity(self) -> int:
@@ -291,7 +291,7 @@ def append(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
     col = jnp.min(jnp.where(in_chunk, rows, big), axis=2)
     if cs > 1:  # chunk_size 1 keeps one copy (module doc)
       col = jnp.concatenate([col, jnp.max(jnp.where(in_chunk, rows, -big), axis=2)], axis=-1)
-    bounds_raw = _write_rows(bounds_raw, col, ci, axis=3)  # column ci of [B, Hkv, 2D, NC]
+    bounds_raw = _write_rows(bounds_raw, col, ci, axis=3)  # column ci of [B, Hkv, 2D | D, NC]
   seen = jnp.broadcast_to(cache.seen[:, None], cache.pos.shape[:2])
   return cache.replace(k_raw=k_raw, v_raw=_write_rows(cache.v_raw, vn, slot),
                        bounds_raw=bounds_raw, pos=_write_rows(cache.pos, seen, slot),

