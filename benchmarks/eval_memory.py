@@ -22,7 +22,9 @@ the cost of the scanned loop per decode step, and whether both give the same tok
 compiles, for each (method, budget) of the group (or of `--methods` at `--budget`), the decode
 program and the teacher-forced gold-score program the sweep runs (`runner._method_decode_impl`,
 `runner._gold_scores_impl`) and prints XLA's temporaries per call (`memory_analysis()`), in GB
-and in full-KV caches of the batch; compile-only, so it needs no quiet machine. Run each
+and in full-KV caches of the batch, for prompt K/V with room for the new tokens as the sweep
+makes them (the full-prompt methods' programs then work in the donated K/V: `--no-room` for
+the layout without); compile-only, so it needs no quiet machine. Run each
 mode in its own process (peak RSS is per process) and on an otherwise idle machine.
 """
 
@@ -159,7 +161,8 @@ def _temps(model, a) -> None:
   length = harness.padded_len(model, a.length, mn)
   c, dt, sds = model.config, model.params["embed"].dtype, jax.ShapeDtypeStruct
   params = jax.tree.map(lambda x: sds(x.shape, x.dtype), model.params)
-  k = sds((c.num_layers, b, c.num_kv_heads, length, c.head_dim), dt)
+  room = 0 if a.no_room else mn  # the sweep's prompt passes have room for the new tokens
+  k = sds((c.num_layers, b, c.num_kv_heads, length + room, c.head_dim), dt)
   qw = sds((c.num_layers, b, c.num_heads, run.window_size, c.head_dim), dt)
   vec = sds((b,), jnp.int32)
   gold = (sds((b, c.vocab_size), jnp.float32), sds((b, mn), jnp.int32))
@@ -172,9 +175,13 @@ def _temps(model, a) -> None:
            [(m, bb if bb is not None else max(BUDGETS)) for m, bb in harness.decode_configs(cfg)])
   for method, budget in confs:
     plan = run.plan(method, budget, length, mn)
+    ip = runner_lib.keeps_prompt_in_place(plan, length + room)
+    donate = (1, 2) if ip else ()
     dec = jax.jit(functools.partial(runner_lib._method_decode_impl, config=c, plan=plan,
-                                    max_new_tokens=mn, keep_cache=False))
-    gs = jax.jit(functools.partial(runner_lib._gold_scores_impl, config=c, plan=plan))
+                                    max_new_tokens=mn, keep_cache=False, in_place=ip),
+                  donate_argnums=donate)
+    gs = jax.jit(functools.partial(runner_lib._gold_scores_impl, config=c, plan=plan,
+                                   in_place=ip), donate_argnums=donate)
     t = [f.lower(*args).compile().memory_analysis().temp_size_in_bytes / 1e9 for f, args in
          ((dec, (params, k, k, qw, vec, vec, run._eos)), (gs, (params, k, k, qw, vec) + gold))]
     print(f"| {method} | {budget} | {t[0]:.2f} ({t[0] / cache_gb:.2f}) | {t[1]:.2f} "
@@ -203,6 +210,10 @@ def main(argv=None):
   p.add_argument("--new-tokens", type=int, default=32, help="layer-loop: tokens per call")
   p.add_argument("--rounds", type=int, default=3, help="layer-loop: timed rounds")
   p.add_argument("--no-precompile", action="store_true")
+  p.add_argument("--no-room", action="store_true",
+                 help="temps: prompt K/V without room for the new tokens (every program "
+                 "builds its cache in a buffer of its own; the layout before the in-place "
+                 "full-prompt programs)")
   p.add_argument("--cache-dir", default="/tmp/xla_cache")
   a = p.parse_args(argv)
   if a.cache_dir and a.mode not in ("program", "layer-loop", "temps"):

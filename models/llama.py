@@ -295,21 +295,24 @@ class LayerStack:
   `groups[g]` holds layers `spans[g] = (lo, hi)`: stacked on a leading `[hi - lo]` axis for a run
   of layers the method treats alike (run in one `layer_scan.scan_layers`), or one layer's state
   as it is when `hi = lo + 1` (a method's dense layer: a state of another shape). Made by
-  `stack_cache`, undone by `unstack_cache`.
+  `stack_cache`, undone by `unstack_cache`. A stacked group may also hold dense layers whose
+  state has the structure of the others (Quest's: it keeps every token at every layer):
+  `decode_step` runs them apart, on the group's own stacked buffers.
   """
 
   groups: tuple
   spans: tuple = struct.field(pytree_node=False)
 
 
-def layer_spans(num_layers: int, plan) -> tuple[tuple[int, int], ...]:
-  """`(lo, hi)` runs of the layers between the method's dense layers, which stand alone."""
+def layer_spans(num_layers: int, plan, offset: int = 0) -> tuple[tuple[int, int], ...]:
+  """`(lo, hi)` runs of the layers `offset .. offset + num_layers - 1` between the method's
+  dense layers, which stand alone."""
   dense = set(methods.get(plan.method).dense_layers(plan))
-  spans, lo = [], 0
-  while lo < num_layers:
+  spans, lo, end = [], offset, offset + num_layers
+  while lo < end:
     hi = lo + 1
     if lo not in dense:
-      while hi < num_layers and hi not in dense:
+      while hi < end and hi not in dense:
         hi += 1
     spans.append((lo, hi))
     lo = hi
@@ -385,23 +388,35 @@ def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarr
     return unembed(params, config, x[:, 0]), tuple(new_cache)
 
   groups = []
+  dense = set(methods.get(plan.method).dense_layers(plan))
   for (lo, hi), g in zip(cache.spans, cache.groups):
     if hi == lo + 1:
       out, g = attention(*pre(layers[lo], x), g, lo)
       x = post(layers[lo], x, out)
-    else:
-      # The weights stay per layer: each layer's dense math is a branch of a `lax.switch` on
-      # the scanned index, reading its weights in place (a dynamic slice of stacked weights is a
-      # copy per layer and step on XLA:CPU: +47 ms a step at 4K x 4). The KV method's ops, most
-      # of a layer's ops, are compiled once. `layer=None`: runs hold no dense layer.
-      pres = [functools.partial(pre, lp) for lp in layers[lo:hi]]
-      posts = [functools.partial(post, lp) for lp in layers[lo:hi]]
+      groups.append(g)
+      continue
+    # A stacked group may hold dense layers of the same state structure (Quest's first two in
+    # the eval runner's one stack of every layer): each runs as a scan of its own over its entry
+    # of the same stacked buffers, the runs between them as one scan each.
+    for a, b in layer_spans(hi - lo, plan, offset=lo):
+      if a in dense:
+        def body(x, state, _, a=a):
+          out, state = attention(*pre(layers[a], x), state, a)
+          return post(layers[a], x, out), state
+      else:
+        # The weights stay per layer: each layer's dense math is a branch of a `lax.switch` on
+        # the scanned index, reading its weights in place (a dynamic slice of stacked weights
+        # is a copy per layer and step on XLA:CPU: +47 ms a step at 4K x 4). The KV method's
+        # ops, most of a layer's ops, are compiled once. `layer=None`: no dense layer here.
+        pres = [functools.partial(pre, lp) for lp in layers[a:b]]
+        posts = [functools.partial(post, lp) for lp in layers[a:b]]
 
-      def body(x, state, j, pres=pres, posts=posts):
-        out, state = attention(*lax.switch(j, pres, x), state, None)
-        return lax.switch(j, posts, x, out), state
+        def body(x, state, j, pres=pres, posts=posts):
+          out, state = attention(*lax.switch(j, pres, x), state, None)
+          return lax.switch(j, posts, x, out), state
 
-      x, g = layer_scan.scan_layers(body, x, g, jnp.arange(hi - lo, dtype=jnp.int32))
+      index = None if (a, b) == (lo, hi) else jnp.arange(a - lo, b - lo, dtype=jnp.int32)
+      x, g = layer_scan.scan_layers(body, x, g, jnp.arange(b - a, dtype=jnp.int32), index)
     groups.append(g)
   return unembed(params, config, x[:, 0]), cache.replace(groups=tuple(groups))
 

@@ -76,7 +76,7 @@ def write_rows(buf: jax.Array, write: Callable[[jax.Array, tuple], jax.Array]) -
   return scope.view(j)
 
 
-def scan_layers(fn: Callable, carry, states, layers: jax.Array):
+def scan_layers(fn: Callable, carry, states, layers: jax.Array, index: jax.Array | None = None):
   """Runs `fn(carry, state, layer) -> (carry, state)` over stacked per-layer states.
 
   Args:
@@ -85,6 +85,8 @@ def scan_layers(fn: Callable, carry, states, layers: jax.Array):
     carry: pytree threaded through the layers (the hidden state).
     states: pytree whose leaves are `[n, ...]`: n layers' states of one structure.
     layers: `[n]` int32, handed to `fn` (e.g. absolute layer indices for the weights).
+    index: `[n]` int32 entries of the stack to run, in order (default all of them, `0..n-1`):
+      a part of a stack whose other layers another loop runs, on the same stacked buffers.
   Returns:
     (carry after the n layers, the updated stacked states).
   """
@@ -111,6 +113,6 @@ def scan_layers(fn: Callable, carry, states, layers: jax.Array):
     return (tuple(out), carry), None
 
   n = layers.shape[0]
-  (stacks, carry), _ = lax.scan(body, (tuple(leaves), carry),
-                                (jnp.arange(n, dtype=jnp.int32), layers))
+  index = jnp.arange(n, dtype=jnp.int32) if index is None else index
+  (stacks, carry), _ = lax.scan(body, (tuple(leaves), carry), (index, layers))
   return carry, jax.tree_util.tree_unflatten(treedef, list(stacks))

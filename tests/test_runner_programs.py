@@ -82,3 +82,75 @@ def test_each_program_holds_one_cache_of_temporaries(spec):
                            sds((batch, NEW), jnp.int32)))):
     temp = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
     assert temp <= 1.15 * cache_bytes, (temp / cache_bytes)
+
+
+@pytest.mark.parametrize("spec,most", [("full", 0.1), ("quest", 0.2), ("sparq", 0.6)])
+def test_full_prompt_methods_decode_in_the_prompt_buffers(spec, most):
+  """With prompt K/V that have the plan's capacity, the programs of the methods whose cache is
+  the whole prompt build it over the donated K/V (`runner._full_stack`): XLA's temporaries drop
+  from one cache to what the method keeps besides K/V (SparQ: its dim-major key copy, half a
+  cache; Quest: its pages of 16, about 0.15), and the K/V come back as an output aliasing the argument."""
+  cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=20,
+                    num_heads=4, num_kv_heads=2, head_dim=64)
+  batch, length = 2, 512
+  params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                        llama.init_params(cfg, seed=0))
+  sds = jax.ShapeDtypeStruct
+  n, h, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+  plan = _plan(spec, length, cfg, page_size=16)
+  assert runner_lib.keeps_prompt_in_place(plan, length + NEW)
+  k = sds((n, batch, h, length + NEW, d), jnp.float32)
+  qw = sds((n, batch, cfg.num_heads, W, d), jnp.float32)
+  vec = sds((batch,), jnp.int32)
+  cache_bytes = 2 * n * batch * h * (length + NEW) * d * 4
+  decode = jax.jit(functools.partial(runner_lib._method_decode_impl, config=cfg, plan=plan,
+                                     max_new_tokens=NEW, keep_cache=False, in_place=True),
+                   donate_argnums=(1, 2))
+  gold = jax.jit(functools.partial(runner_lib._gold_scores_impl, config=cfg, plan=plan,
+                                   in_place=True), donate_argnums=(1, 2))
+  for fn, args in ((decode, (params, k, k, qw, vec, vec, sds((1,), jnp.int32))),
+                   (gold, (params, k, k, qw, vec, sds((batch, cfg.vocab_size), jnp.float32),
+                           sds((batch, NEW), jnp.int32)))):
+    mem = fn.lower(*args).compile().memory_analysis()
+    assert mem.temp_size_in_bytes <= most * cache_bytes, mem.temp_size_in_bytes / cache_bytes
+    assert mem.alias_size_in_bytes == cache_bytes
+
+
+def test_decoding_in_the_prompt_buffers_changes_no_record():
+  """A ragged batch through every method, the full-prompt ones decoding in the prompt pass's
+  buffers (`prompt_pass(capacity=L + new)`, as the sweep runs) and interleaved with the
+  evicting ones, which read those buffers after them: the tokens and teacher-forced gold scores
+  of a pass without room (every program on its own copy), bit for bit; the prompt's slots are
+  handed back unchanged."""
+  from eval_fixtures import tiny_model
+
+  model = tiny_model()
+  runner = runner_lib.Runner(model, eos_token_ids=(), window_size=8, quest_page_size=4)
+  rng = np.random.default_rng(5)
+  lengths = np.array([48, 35, 21], np.int32)
+  tokens = np.zeros((3, 48), np.int32)
+  for i, n in enumerate(lengths):
+    tokens[i, :n] = rng.integers(3, 256, size=n)
+  new = 6
+  gold = rng.integers(3, 256, size=(3, new)).astype(np.int32)
+  plain = runner.prompt_pass(tokens, lengths)
+  room = runner.prompt_pass(tokens, lengths, capacity=48 + new)
+  assert room.padded_len == plain.padded_len == 48 and room.capacity == 48 + new
+  specs = ["full", "rocketkv", "quest", "snapkv", "sparq", "streamingllm", "exact_topk",
+           "rocketkv:stage2=quant"]
+  in_place = 0
+  for spec in specs:
+    want = runner.decode(plain, spec, 16, new, gold=gold)
+    want_forced = runner.last_forced
+    before = room.k
+    got = runner.decode(room, spec, 16, new, gold=gold)
+    in_place += before.is_deleted()  # donated: its buffer now backs room.k
+    np.testing.assert_array_equal(got[1], want[1])
+    for a, b in zip(runner.last_forced, want_forced):
+      np.testing.assert_array_equal(a, b)
+  assert in_place == 4  # full, quest, sparq, exact_topk
+  valid = np.arange(48)[None, None, :] < lengths[:, None, None]
+  for a, b in ((room.k, plain.k), (room.v, plain.v)):
+    a, b = np.asarray(a)[..., :48, :], np.asarray(b)
+    np.testing.assert_array_equal(np.where(valid[None, :, :, :, None], a, 0),
+                                  np.where(valid[None, :, :, :, None], b, 0))

@@ -48,6 +48,7 @@ def _mass(probs, pos, ok):
 def _recall(k, v, qw, lengths, *, plan):
   def one(_, xs):
     kk, vv, qq = xs
+    kk, vv = kk[:, :, :plan.prompt_len], vv[:, :, :plan.prompt_len]  # a pass with capacity
     q = qq[:, :, -1]
     probs = _exact_probs(q, kk, lengths)
     state = rocketkv.prefill(kk, vv, qq, plan, lengths=lengths)

@@ -273,7 +273,7 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True,
     if cfg.decode and cfg.precompile:
       runner.precompile([(m, b if b is not None else max(cfg.budgets))
                          for m, b in decode_configs(cfg)],
-                        cfg.batch_size, p, mn, gold=cfg.gold_score)
+                        cfg.batch_size, p, mn, gold=cfg.gold_score, capacity=p + mn)
     for start in range(0, len(ss), cfg.batch_size):
       batch = ss[start:start + cfg.batch_size]
       ids = [tasks_lib.prompt_ids(tok, s) for s in batch]
@@ -292,7 +292,8 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True,
           gold[i, :len(g)] = g
           masks.append(mask)
       t0 = time.perf_counter()
-      pp = runner.prompt_pass(tokens, lengths)
+      # Room for the new tokens: the full-prompt methods decode in these buffers (Runner docs).
+      pp = runner.prompt_pass(tokens, lengths, capacity=p + mn)
       pp.first.block_until_ready()
       timing["prompt_pass_s"] += time.perf_counter() - t0
       bar.update(1, f"{task}@{length} prefill")

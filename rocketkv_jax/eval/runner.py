@@ -37,6 +37,7 @@ from jax import lax
 import numpy as np
 
 import rocketkv_jax as rocketkv
+from rocketkv_jax import cache as cache_lib
 from rocketkv_jax import decode_loop, sampling, teacher_forced
 from rocketkv_jax import methods as methods_lib
 from rocketkv_jax.config import check_num_layers
@@ -63,11 +64,13 @@ class PromptPass:
   """Output of the prompt pass for one right-padded batch.
 
   Attributes:
-    k, v: `[N, B, Hkv, L, Dh]` post-RoPE keys / values of every layer.
+    k, v: `[N, B, Hkv, C, Dh]` post-RoPE keys / values of every layer, C = L (the padded prompt
+      length) or the `capacity` the pass was made with (see `Runner.prompt_pass`).
     q_window: `[N, B, Hq, W, Dh]` post-RoPE queries of the last W valid tokens.
     lengths: `[B]` int32 valid prompt lengths.
     first: `[B]` int32 greedy first generated token (same for every method).
     first_logits: `[B, V]` fp32 logits at each prompt's last token (they predict `first`).
+    prompt_len: L (None: C).
   """
 
   k: jax.Array
@@ -76,9 +79,14 @@ class PromptPass:
   lengths: jax.Array
   first: jax.Array
   first_logits: jax.Array
+  prompt_len: int | None = None
 
   @property
   def padded_len(self) -> int:
+    return int(self.k.shape[3]) if self.prompt_len is None else self.prompt_len
+
+  @property
+  def capacity(self) -> int:
     return int(self.k.shape[3])
 
   @property
@@ -86,12 +94,14 @@ class PromptPass:
     return int(self.k.shape[1])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "window", "block_size"))
-def _prompt_pass(params, tokens, lengths, *, config, window, block_size):
+@functools.partial(jax.jit, static_argnames=("config", "window", "block_size", "capacity"))
+def _prompt_pass(params, tokens, lengths, *, config, window, block_size, capacity):
   last, outs = llama.prompt_pass(params, tokens, lengths, config=config, window=window,
                                  block_size=block_size,
                                  per_layer=lambda k, v, qw, layer: (k, v, qw))
   ks, vs, qws = (jnp.stack(xs) for xs in zip(*outs))
+  room = ((0, 0),) * 3 + ((0, capacity - tokens.shape[1]), (0, 0))
+  ks, vs = jnp.pad(ks, room), jnp.pad(vs, room)
   logits = llama.unembed(params, config, last)
   return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, ks, vs, qws
 
@@ -112,65 +122,128 @@ def _build_stack(k, v, qw, lengths, plan) -> llama.LayerStack:
   built one by one. (One scan over all N layers, then slices of its output, held both at
   once: Quest's group of 28 layers cost 1.6 caches of temporaries instead of one; a scan over
   slices of the arguments copies those slices first.)"""
+  prompt = lambda x: x[:, :, :plan.prompt_len]  # the prompt's slots of `[B, Hkv, C, D]`
+
   def one(_, i):  # layer i's slices read inside the body: a slice of the arguments is a copy
     kk, vv, qq = (lax.dynamic_index_in_dim(x, i, keepdims=False) for x in (k, v, qw))
-    return None, rocketkv.prefill(kk, vv, qq, plan, lengths=lengths)
+    return None, rocketkv.prefill(prompt(kk), prompt(vv), qq, plan, lengths=lengths)
 
   dense = methods_lib.get(plan.method).dense_layers(plan)
   groups, spans = [], llama.layer_spans(k.shape[0], plan)
   for lo, hi in spans:
     if lo in dense:
-      groups.append(rocketkv.prefill(k[lo], v[lo], qw[lo], plan, lengths=lengths, layer=lo))
+      groups.append(rocketkv.prefill(prompt(k[lo]), prompt(v[lo]), qw[lo], plan,
+                                     lengths=lengths, layer=lo))
     elif hi == lo + 1:
-      groups.append(rocketkv.prefill(k[lo], v[lo], qw[lo], plan, lengths=lengths))
+      groups.append(rocketkv.prefill(prompt(k[lo]), prompt(v[lo]), qw[lo], plan,
+                                     lengths=lengths))
     else:
       groups.append(lax.scan(one, None, jnp.arange(lo, hi))[1])
   return llama.LayerStack(groups=tuple(groups), spans=spans)
 
 
-def _method_cache(k, v, qw, lengths, plan, scan_layers: bool):
+def keeps_prompt_in_place(plan, capacity: int) -> bool:
+  """Whether the method's cache is every layer's `full_cache` of the prompt K/V (its prefill is
+  the base `Method.prefill`: full KV, exact top-k, Quest, SparQ) with the prompt K/V's own
+  capacity: then its programs build that cache over the prompt K/V's buffers (`_full_stack`)."""
+  method = methods_lib.get(plan.method)
+  return type(method).prefill is methods_lib.Method.prefill and capacity == plan.capacity
+
+
+def _full_stack(k, v, lengths, plan) -> llama.LayerStack:
+  """Every layer's `full_cache(k[i], v[i], C, chunk_size, lengths)` as one stacked group, from
+  prompt K/V `[N, B, Hkv, C, D]` that already have the plan's capacity C: zeroing the slots at
+  and past each length is an element-wise pass that XLA runs in the (donated) argument buffers,
+  so the cache costs no second copy of the K/V (issue #16 item 2: the prompt K/V and the cache
+  built from them were 2 of the ~3.5 caches resident in an 8K sweep). The chunk summaries are
+  made layer by layer (a scan), as `_build_stack` does: made for the whole stack at once, XLA:CPU
+  transposes SparQ's dim-major key copy through a buffer of another layout, half a cache more.
+  The method's dense layers (Quest's) share the stack: `llama.decode_step` runs them apart."""
+  n, b, h, c, _ = k.shape
+  valid = jnp.arange(c) < lengths[:, None]  # [B, C]
+  zero = lambda x: jnp.where(valid[None, :, None, :, None], x, jnp.zeros((), x.dtype))
+  k, v = zero(k), zero(v)
+
+  def bounds(_, i):
+    kmin, kmax = cache_lib.chunk_summaries(lax.dynamic_index_in_dim(k, i, keepdims=False),
+                                           lengths, plan.chunk_size)
+    return None, cache_lib.to_storage(cache_lib.summary_bounds(kmin, kmax, plan.chunk_size))
+
+  per_layer = lambda x: jnp.broadcast_to(x, (n,) + x.shape)
+  pos = jnp.where(valid[:, None, :], jnp.arange(c, dtype=jnp.int32), -1)
+  group = cache_lib.KVCache(
+      k_raw=cache_lib.to_storage(k), v_raw=cache_lib.to_storage(v),
+      bounds_raw=lax.scan(bounds, None, jnp.arange(n))[1],
+      pos=per_layer(jnp.broadcast_to(pos, (b, h, c))), length=per_layer(lengths),
+      seen=per_layer(lengths), overflow=jnp.zeros((n, b), bool), chunk_size=plan.chunk_size,
+      dtype_name=jnp.dtype(k.dtype).name)
+  return llama.LayerStack(groups=(group,), spans=((0, n),))
+
+
+def _method_cache(k, v, qw, lengths, plan, scan_layers: bool, in_place: bool = False):
   """The method's decode cache from the stored prompt K/V: a `LayerStack` (scanned layer loop),
-  or per-layer states with `scan_layers=False` (unrolled; the same numbers)."""
+  or per-layer states with `scan_layers=False` (unrolled; the same numbers). `in_place`: over
+  the prompt K/V's buffers (`_full_stack`; `keeps_prompt_in_place` must hold)."""
   # The eval programs decode over a `LayerStack`: the KV method's ops compiled once, not once
   # per layer (issue #16: ~300 MB of machine code per program unrolled); the same numbers.
-  cache = _build_stack(k, v, qw, lengths, plan)
+  if in_place:
+    cache = _full_stack(k, v, lengths, plan)
+  else:
+    cache = _build_stack(k, v, qw, lengths, plan)
   return cache if scan_layers else llama.unstack_cache(cache)
 
 
+def _handed_back(cache, dtype):
+  """The prompt K/V buffers of an in-place program's final cache, in the prompt K/V's dtype."""
+  g = cache.groups[0]
+  return cache_lib.from_storage(g.k_raw, dtype), cache_lib.from_storage(g.v_raw, dtype)
+
+
 def _method_decode_impl(params, k, v, qw, lengths, first, eos, *, config, plan,
-                        max_new_tokens, keep_cache, scan_layers=True):
+                        max_new_tokens, keep_cache, scan_layers=True, in_place=False):
   """Builds the method's cache and decodes greedily: (tokens `[B, max_new]`, steps, the final
   cache if `keep_cache` else None). `scan_layers=False` unrolls the layer loop (the same
-  numbers; for benchmarks/eval_memory.py)."""
-  cache = _method_cache(k, v, qw, lengths, plan, scan_layers)
+  numbers; for benchmarks/eval_memory.py). `in_place` (k, v donated; not with `keep_cache`):
+  the cache is built over k and v (`_full_stack`) and the third result is instead their
+  buffers handed back, `(k, v)`: the prompt's slots as they were; every slot at or past a
+  sequence's length is scratch (this program's new tokens)."""
+  cache = _method_cache(k, v, qw, lengths, plan, scan_layers, in_place)
   params = compute_params(params)  # bf16 on a CPU without bf16 dots: upcast once, not per step
   out, steps, cache = _greedy_loop(params, cache, first, lengths, eos, config=config, plan=plan,
                                    max_new_tokens=max_new_tokens)
+  if in_place:
+    return out, steps, _handed_back(cache, k.dtype)
   if keep_cache and scan_layers:
     cache = llama.unstack_cache(cache)
   return out, steps, (cache if keep_cache else None)
 
 
 def _gold_scores_impl(params, k, v, qw, lengths, first_logits, ids, *, config, plan,
-                      scan_layers=True):
+                      scan_layers=True, in_place=False):
   """Builds the method's cache as `_method_decode_impl` does and teacher-forces the gold ids
   `[B, G]` through the method's decode steps (`teacher_forced.forced_logprobs`): the per-token
-  log-probs `[B, G]` and is-argmax flags.
+  log-probs `[B, G]` and is-argmax flags (and with `in_place`, k and v handed back, as there).
 
   Its own program, run before the decode program, rather than a second loop inside it: two
   loops over one freshly built cache made XLA keep a copy of the cache for each loop next to
   the built one (2.5 caches of temporaries for full KV; issue #16 item 2), while two programs
   called one after the other each hold one."""
-  cache = _method_cache(k, v, qw, lengths, plan, scan_layers)
+  cache = _method_cache(k, v, qw, lengths, plan, scan_layers, in_place)
   params = compute_params(params)
-  lp, am, _, _ = teacher_forced.forced_logprobs(params, cache, first_logits, ids, lengths,
-                                                config=config, plan=plan)
-  return lp, am
+  lp, am, _, cache = teacher_forced.forced_logprobs(params, cache, first_logits, ids, lengths,
+                                                    config=config, plan=plan)
+  return (lp, am, _handed_back(cache, k.dtype)) if in_place else (lp, am)
 
 
 _method_decode = jax.jit(_method_decode_impl, static_argnames=(
     "config", "plan", "max_new_tokens", "keep_cache"))
 _gold_scores = jax.jit(_gold_scores_impl, static_argnames=("config", "plan"))
+# The programs of `keeps_prompt_in_place` methods: k and v (arguments 1 and 2) donated.
+_method_decode_in_place = jax.jit(
+    functools.partial(_method_decode_impl, in_place=True),
+    static_argnames=("config", "plan", "max_new_tokens", "keep_cache"), donate_argnums=(1, 2))
+_gold_scores_in_place = jax.jit(functools.partial(_gold_scores_impl, in_place=True),
+                                static_argnames=("config", "plan"), donate_argnums=(1, 2))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "plan", "max_new_tokens"))
@@ -231,8 +304,16 @@ class Runner:
     return decode_loop.strip_eos(out, steps, self.eos_token_ids)
 
   # ---------------------------------------------------------------- programs
-  def prompt_pass(self, tokens: np.ndarray, lengths: np.ndarray) -> PromptPass:
-    """tokens `[B, L]` right-padded ids, lengths `[B]` -> `PromptPass` (one jit call)."""
+  def prompt_pass(self, tokens: np.ndarray, lengths: np.ndarray,
+                  capacity: int | None = None) -> PromptPass:
+    """tokens `[B, L]` right-padded ids, lengths `[B]` -> `PromptPass` (one jit call).
+
+    `capacity` (>= L; None: L): slots per sequence of the stored K/V, zeros past L. With
+    `capacity = L + max_new_tokens`, the methods whose cache is the full prompt (full KV, exact
+    top-k, Quest, SparQ: `keeps_prompt_in_place`) decode in the prompt K/V's own buffers:
+    `decode` donates `pp.k` / `pp.v` to their programs and puts the buffers they hand back in
+    their place (the prompt's slots unchanged, every slot at or past a sequence's length
+    scratch, which no method reads). One cache of K/V per batch instead of two (issue #16)."""
     tokens = np.asarray(tokens, np.int32)
     lengths = np.asarray(lengths, np.int32)
     if tokens.ndim != 2 or lengths.shape != (tokens.shape[0],):
@@ -240,11 +321,17 @@ class Runner:
                        f"{lengths.shape}")
     if lengths.min() < 1 or lengths.max() > tokens.shape[1]:
       raise ValueError(f"lengths must be in [1, {tokens.shape[1]}], got {lengths.tolist()}")
+    L = tokens.shape[1]
+    if capacity is not None and (not isinstance(capacity, (int, np.integer)) or capacity < L):
+      raise ValueError(f"capacity must be an int >= the padded length {L} or None, got "
+                       f"{capacity!r}")
     lj = jnp.asarray(lengths)
     first, logits, k, v, qw = _prompt_pass(self.model.params, jnp.asarray(tokens), lj,
                                            config=self.config, window=self.window_size,
-                                           block_size=self.block_size)
-    return PromptPass(k=k, v=v, q_window=qw, lengths=lj, first=first, first_logits=logits)
+                                           block_size=self.block_size,
+                                           capacity=int(capacity or L))
+    return PromptPass(k=k, v=v, q_window=qw, lengths=lj, first=first, first_logits=logits,
+                      prompt_len=L)
 
   def decode(self, pp: PromptPass, method: str, token_budget: int, max_new_tokens: int, *,
              keep_cache: bool = False, max_new_for_plan: int | None = None, gold=None):
@@ -259,6 +346,7 @@ class Runner:
       raise ValueError(f"prompt ({pp.padded_len}) + max_new_tokens ({max_new_tokens}) exceeds "
                        f"the model's context of {self.config.max_position_embeddings}")
     plan = self.plan(method, token_budget, pp.padded_len, max_new_for_plan or max_new_tokens)
+    in_place = not keep_cache and keeps_prompt_in_place(plan, pp.capacity)
     self.last_forced = None
     if gold is not None:  # its own program, before the decode program (`_gold_scores_impl`)
       gold = np.asarray(gold, np.int32)
@@ -271,15 +359,21 @@ class Runner:
       if key in self._futures:
         forced = self._futures[key].result()(*gargs)
       else:
-        forced = _gold_scores(*gargs, config=self.config, plan=plan)
+        forced = (_gold_scores_in_place if in_place else _gold_scores)(
+            *gargs, config=self.config, plan=plan)
+      if in_place:
+        *forced, (pp.k, pp.v) = forced
       self.last_forced = tuple(np.asarray(x) for x in forced)
     args = (self.model.params, pp.k, pp.v, pp.q_window, pp.lengths, pp.first, self._eos)
     key = self._key(plan, pp.k.shape, pp.q_window.shape, max_new_tokens, keep_cache)
     if key in self._futures:  # compiled ahead of time (see `precompile`)
       out, steps, cache = self._futures[key].result()(*args)
     else:
-      out, steps, cache = _method_decode(*args, config=self.config, plan=plan,
-                                         max_new_tokens=max_new_tokens, keep_cache=keep_cache)
+      out, steps, cache = (_method_decode_in_place if in_place else _method_decode)(
+          *args, config=self.config, plan=plan, max_new_tokens=max_new_tokens,
+          keep_cache=keep_cache)
+    if in_place:
+      (pp.k, pp.v), cache = cache, None
     out = np.asarray(out)
     steps = int(steps)
     return self.strip(out, steps), out, steps, cache
@@ -294,12 +388,13 @@ class Runner:
     return ("gold",) + self._key(plan, k_shape, qw_shape, gold_len, False)
 
   def precompile(self, configs, batch: int, padded_len: int, max_new_tokens: int,
-                 workers: int = 2, gold: bool = False) -> None:
+                 workers: int = 2, gold: bool = False, capacity: int | None = None) -> None:
     """Starts compiling the decode programs of `configs` [(method, budget)] for a batch of
     `batch` prompts padded to `padded_len` (and with `gold` their gold-score programs, `[batch,
     max_new_tokens]` ids), on `workers` background threads (XLA compiles are single-threaded,
     so they overlap with each other and with prompt passes); `decode` then waits for its
-    programs instead of compiling them."""
+    programs instead of compiling them. `capacity`: that of the prompt passes
+    (`prompt_pass(..., capacity)`; None: `padded_len`)."""
     import concurrent.futures
 
     if not _POOL:
@@ -308,22 +403,26 @@ class Runner:
     dt = self.model.params["embed"].dtype
     w = min(self.window_size, padded_len)
     sds = jax.ShapeDtypeStruct
-    k = sds((c.num_layers, batch, c.num_kv_heads, padded_len, c.head_dim), dt)
+    k = sds((c.num_layers, batch, c.num_kv_heads, capacity or padded_len, c.head_dim), dt)
     qw = sds((c.num_layers, batch, c.num_heads, w, c.head_dim), dt)
     vec = sds((batch,), jnp.int32)
     submit = lambda fn, args: _POOL[0].submit(lambda: fn.lower(*args).compile())
     for method, budget in configs:
       plan = self.plan(method, budget, padded_len, max_new_tokens)
+      in_place = keeps_prompt_in_place(plan, k.shape[3])
+      donate = (1, 2) if in_place else ()
       key = self._gold_key(plan, k.shape, qw.shape, max_new_tokens)
       if gold and key not in self._futures:
-        fn = jax.jit(functools.partial(_gold_scores_impl, config=c, plan=plan))
+        fn = jax.jit(functools.partial(_gold_scores_impl, config=c, plan=plan,
+                                       in_place=in_place), donate_argnums=donate)
         self._futures[key] = submit(fn, (self.model.params, k, k, qw, vec,
                                          sds((batch, c.vocab_size), jnp.float32),
                                          sds((batch, max_new_tokens), jnp.int32)))
       key = self._key(plan, k.shape, qw.shape, max_new_tokens, False)
       if key not in self._futures:
         fn = jax.jit(functools.partial(_method_decode_impl, config=c, plan=plan,
-                                       max_new_tokens=int(max_new_tokens), keep_cache=False))
+                                       max_new_tokens=int(max_new_tokens), keep_cache=False,
+                                       in_place=in_place), donate_argnums=donate)
         self._futures[key] = submit(fn, (self.model.params, k, k, qw, vec, vec, self._eos))
 
   def release_compiled(self) -> None:
@@ -342,8 +441,8 @@ class Runner:
     for fut in self._futures.values():
       fut.cancel()
     self._futures.clear()
-    _method_decode.clear_cache()
-    _gold_scores.clear_cache()
+    for fn in (_method_decode, _gold_scores, _method_decode_in_place, _gold_scores_in_place):
+      fn.clear_cache()
     _continue_decode.clear_cache()
     _trim_host_memory()
 
