@@ -215,6 +215,7 @@ def main(argv=None):
                  "builds its cache in a buffer of its own; the layout before the in-place "
                  "full-prompt programs)")
   p.add_argument("--cache-dir", default="/tmp/xla_cache")
+  p.add_argument("--records", default=None, help="peak: write the sweep's records (JSON) here")
   a = p.parse_args(argv)
   if a.cache_dir and a.mode not in ("program", "layer-loop", "temps"):
     jax.config.update("jax_compilation_cache_dir", a.cache_dir)
@@ -247,7 +248,12 @@ def main(argv=None):
                               methods=METHODS, samples=batch, batch_size=batch,
                               precompile=not a.no_precompile)
     t0 = time.perf_counter()
-    harness.run_sweep(model, cfg, progress=False)
+    out = harness.run_sweep(model, cfg, progress=False)
+    if a.records:
+      import json
+
+      with open(a.records, "w") as f:
+        json.dump(out["records"], f)
     _rss(f"run_sweep, {batch} prompts in one batch, precompile={not a.no_precompile} "
          f"({time.perf_counter() - t0:.0f} s)")
 
