@@ -15,6 +15,15 @@ program that also runs the greedy decode loop (`decode_loop.sample_loop`, the lo
 per prompt batch; each (method, budget, padded length, batch size) compiles once, and once more
 for the teacher-forced gold score (`_gold_scores_impl`, a program of its own).
 
+Memory: the sweep makes each prompt pass with room for the new tokens (`prompt_pass(...,
+capacity=L + max_new)`, zeros past L). The methods whose cache is every prompt token at every
+layer (full KV, exact top-k, Quest, SparQ: `keeps_prompt_in_place`) then build it over the prompt
+K/V's own buffers, which their programs take donated and hand back (`_full_stack`); the evicting
+methods read the prompt's slots and build their smaller caches beside them. One batch thus holds
+one full-size copy of its K/V, not two (issue #16 item 2). What a full-prompt program leaves at
+and past each sequence's length (its new tokens) is scratch: every method masks those slots,
+as it masks a ragged batch's padding (tests/test_runner_programs.py checks the records).
+
 The first generated token is the argmax of the prompt pass's last-token logits, which are the
 same for every method (every method attends densely while reading the prompt), exactly as in
 `rocketkv.generate`; later tokens are fed back with `positions = seen + step - 1`.
