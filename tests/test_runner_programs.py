@@ -35,6 +35,16 @@ def _prompt(batch, length, seed=0):
   return k, v, qw, lengths
 
 
+def _smol_program_shapes():
+  """20 layers and SmolLM2's head dim, so that per-layer and per-slot buffers weigh about what
+  they weigh there: (config, abstract params, batch 2, length 512)."""
+  cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=20,
+                    num_heads=4, num_kv_heads=2, head_dim=64)
+  params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                        llama.init_params(cfg, seed=0))
+  return cfg, params, 2, 512
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_build_stack_equals_per_layer_prefill(spec):
   """Each run of like layers scanned over its own layers (dense layers alone) gives the states
@@ -61,11 +71,7 @@ def test_each_program_holds_one_cache_of_temporaries(spec):
   most 1.15: the built cache, its summaries (Quest's pages of 16) and a layer's buffers. 20
   layers and SmolLM2's head dim, so that per-layer and per-slot buffers weigh about what they
   weigh there."""
-  cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=20,
-                    num_heads=4, num_kv_heads=2, head_dim=64)
-  batch, length = 2, 512
-  params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                        llama.init_params(cfg, seed=0))
+  cfg, params, batch, length = _smol_program_shapes()
   sds = jax.ShapeDtypeStruct
   n, h, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
   k = sds((n, batch, h, length, d), jnp.float32)
@@ -89,12 +95,9 @@ def test_full_prompt_methods_decode_in_the_prompt_buffers(spec, most):
   """With prompt K/V that have the plan's capacity, the programs of the methods whose cache is
   the whole prompt build it over the donated K/V (`runner._full_stack`): XLA's temporaries drop
   from one cache to what the method keeps besides K/V (SparQ: its dim-major key copy, half a
-  cache; Quest: its pages of 16, about 0.15), and the K/V come back as an output aliasing the argument."""
-  cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=20,
-                    num_heads=4, num_kv_heads=2, head_dim=64)
-  batch, length = 2, 512
-  params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                        llama.init_params(cfg, seed=0))
+  cache; Quest: its pages of 16, about 0.15), and the K/V come back as an output aliasing the
+  argument."""
+  cfg, params, batch, length = _smol_program_shapes()
   sds = jax.ShapeDtypeStruct
   n, h, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
   plan = _plan(spec, length, cfg, page_size=16)
