@@ -168,24 +168,18 @@ def _full_stack(k, v, lengths, plan) -> llama.LayerStack:
   made layer by layer (a scan), as `_build_stack` does: made for the whole stack at once, XLA:CPU
   transposes SparQ's dim-major key copy through a buffer of another layout, half a cache more.
   The method's dense layers (Quest's) share the stack: `llama.decode_step` runs them apart."""
-  n, b, h, c, _ = k.shape
-  valid = jnp.arange(c) < lengths[:, None]  # [B, C]
-  zero = lambda x: jnp.where(valid[None, :, None, :, None], x, jnp.zeros((), x.dtype))
-  k, v = zero(k), zero(v)
+  n, c = k.shape[0], k.shape[3]
+  # Each layer's `full_cache` without summaries: vmapped, its zeroing pass is one element-wise
+  # op over the whole stack (the pad to capacity C is empty).
+  group = jax.vmap(lambda kk, vv: cache_lib.full_cache(kk, vv, c, 0, lengths))(k, v)
 
   def bounds(_, i):
-    kmin, kmax = cache_lib.chunk_summaries(lax.dynamic_index_in_dim(k, i, keepdims=False),
+    kmin, kmax = cache_lib.chunk_summaries(lax.dynamic_index_in_dim(group.k, i, keepdims=False),
                                            lengths, plan.chunk_size)
     return None, cache_lib.to_storage(cache_lib.summary_bounds(kmin, kmax, plan.chunk_size))
 
-  per_layer = lambda x: jnp.broadcast_to(x, (n,) + x.shape)
-  pos = jnp.where(valid[:, None, :], jnp.arange(c, dtype=jnp.int32), -1)
-  group = cache_lib.KVCache(
-      k_raw=cache_lib.to_storage(k), v_raw=cache_lib.to_storage(v),
-      bounds_raw=lax.scan(bounds, None, jnp.arange(n))[1],
-      pos=per_layer(jnp.broadcast_to(pos, (b, h, c))), length=per_layer(lengths),
-      seen=per_layer(lengths), overflow=jnp.zeros((n, b), bool), chunk_size=plan.chunk_size,
-      dtype_name=jnp.dtype(k.dtype).name)
+  group = group.replace(bounds_raw=lax.scan(bounds, None, jnp.arange(n))[1],
+                        chunk_size=plan.chunk_size)
   return llama.LayerStack(groups=(group,), spans=((0, n),))
 
 
