@@ -58,10 +58,15 @@ def blockwise_causal_attention(
     # On CPU, one sequence at a time: the score tiles stay [1, Hkv, G, bs, bs] and in cache.
     # A batched tile of 10 2K prompts was ~20% slower per layer than 10 single ones
     # (`benchmarks/profile_prefill_attention.py --batch`).
-    one = lambda x: blockwise_causal_attention(
-        x[0][None], x[1][None], x[2][None], sliding_window=sliding_window,
-        block_size=block_size)[0]
-    return lax.map(one, (q, k, v))
+    # The outputs overwrite the queries row by row (row b is read before it is written): a
+    # loop that makes its own output buffer starts it as a constant, which XLA may schedule at
+    # the start of the program -- in an unrolled prompt pass, one per layer, all live at once.
+    def one(i, out):
+      row = lambda x: lax.dynamic_slice_in_dim(x, i, 1, axis=0)
+      o = blockwise_causal_attention(row(out), row(k), row(v), sliding_window=sliding_window,
+                                     block_size=block_size)
+      return lax.dynamic_update_slice_in_dim(out, o, i, axis=0)
+    return lax.fori_loop(0, b, one, q)
   bs = min(block_size, length)
   n = -(-length // bs)
   padded = n * bs

@@ -220,7 +220,14 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
                      i if i in static else None)
 
   x = params["embed"][tokens]
-  stacked_params = stack_layers(params)
+  layers = params["layers"]
+  per_layer_params = isinstance(layers, (list, tuple))
+  # a layer's weights: its own dict (what the loaders make), or a slice of stacked ones
+  layer_params = lambda i: (layers[i] if per_layer_params
+                            else jax.tree.map(lambda a: a[i], layers))
+  # a scanned run's weights stacked (a copy of them; none when they are stacked already)
+  run_params = lambda lo, hi: (jax.tree.map(lambda *xs: jnp.stack(xs), *layers[lo:hi])
+                               if per_layer_params else jax.tree.map(lambda a: a[lo:hi], layers))
 
   def layer(x, lp, i=None):
     q, k, v = qkv(lp, config, x, positions)
@@ -235,7 +242,7 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
   lo = 0
   while lo < n - 1:  # runs of scanned layers, and the static layers one by one
     if lo in static:
-      x, out = layer(x, jax.tree.map(lambda a: a[lo], stacked_params), lo)
+      x, out = layer(x, layer_params(lo), lo)
       groups.append(out)
       spans.append((lo, lo + 1))
       lo += 1
@@ -243,11 +250,11 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
     hi = lo
     while hi < n - 1 and hi not in static:
       hi += 1
-    x, run = lax.scan(layer, x, jax.tree.map(lambda a: a[lo:hi], stacked_params))
+    x, run = lax.scan(layer, x, run_params(lo, hi))
     groups.append(run if hi - lo > 1 else jax.tree.map(lambda a: a[0], run))
     spans.append((lo, hi))
     lo = hi
-  lp = jax.tree.map(lambda a: a[n - 1], stacked_params)
+  lp = layer_params(n - 1)
   q_window, k, v = qkv(lp, config, x, positions, q_rows=widx)
   groups.append(store(k, v, q_window, n - 1))
   spans.append((n - 1, n))
@@ -280,9 +287,15 @@ def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
      method's dense layers (`layer=i`, e.g. RocketKV's `skip_layers`) keep every prompt token).
   """
   check_num_layers(plan, config.num_layers)
+  method = methods.get(plan.method)
+  # A method whose decode steps read every slot of every layer (full KV) gets each layer's cache
+  # as its own buffer, the prompt pass unrolled: over a stacked group, the attention products
+  # of a scanned decode step read the layer's K/V through a dynamic slice of the stack, which
+  # XLA:CPU copies out at every step (full KV at 8K x 4, SmolLM2: ~300 of a ~550 ms step).
+  static = tuple(range(config.num_layers)) if method.dense else method.dense_layers(plan)
   last, cache = prompt_pass(
       params, tokens, lengths, config=config, window=plan.window_size, block_size=block_size,
-      static_layers=methods.get(plan.method).dense_layers(plan), stacked=stacked,
+      static_layers=static, stacked=stacked,
       per_layer=lambda k, v, qw, layer: kv_prefill(k, v, qw, plan, lengths=lengths, impl=impl,
                                                    layer=layer))
   return unembed(params, config, last), cache

@@ -233,3 +233,36 @@ def test_native_bf16_cpu_reads_the_cpuinfo_flags(tmp_path, monkeypatch):
   assert not precision.native_bf16_cpu(str(tmp_path / "missing"))
   monkeypatch.setenv("ROCKETKV_NATIVE_BF16", "1")
   assert precision.native_bf16_cpu(str(avx2))
+
+
+def test_full_kv_keeps_each_layer_apart_and_its_prompt_pass_stays_small():
+  """Full KV's decode reads every slot of every layer, so `prefill(stacked=True)` hands each
+  layer's cache over as its own buffer (a scanned step over a stack copies the layer's K/V out
+  of it every step), from a prompt pass that runs those layers unrolled. Its temporaries must
+  not grow with depth: no per-layer buffer may be made ahead of its layer (a batch loop in
+  `blockwise_causal_attention` that starts a fresh output buffer did that: XLA scheduled every
+  layer's zero-filled output at the program's start)."""
+  import rocketkv_jax as rocketkv
+
+  def cfg(n):
+    return ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=n,
+                       num_heads=4, num_kv_heads=2, head_dim=8)
+
+  tokens, lengths = jnp.zeros((4, 1024), jnp.int32), jnp.array([1024, 900, 512, 7], jnp.int32)
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, method="full"), 1024, 4, 8)
+  params = llama.init_params(cfg(4), seed=0)
+  _, stack = llama.prefill(params, tokens[:, :64], jnp.minimum(lengths, 64), config=cfg(4),
+                           plan=rocketkv.plan(rocketkv.RocketConfig(64, method="full"), 64, 4, 8),
+                           stacked=True)
+  assert stack.spans == ((0, 1), (1, 2), (2, 3), (3, 4))
+  assert all(g.k.shape == (4, 2, 68, 8) for g in stack.groups)
+
+  def temps(n):
+    fn = jax.jit(lambda p, t, ln: llama.prefill(p, t, ln, config=cfg(n), plan=plan,
+                                                stacked=True))
+    mem = fn.lower(llama.init_params(cfg(n)), tokens, lengths).compile().memory_analysis()
+    return mem.temp_size_in_bytes
+
+  attn_out = 4 * 4 * 1024 * 8 * 4  # one layer's attention output [B, Hq, L, Dh] fp32
+  shallow, deep = temps(4), temps(8)
+  assert deep <= shallow + attn_out, (shallow, deep)
