@@ -89,15 +89,14 @@ def _model_step(a):
   params = compute_params(model.params)
   tokens = jnp.zeros((a.batch,), jnp.int32)
 
-  def one(cache, t):
+  def one(state):  # (cache, steps taken): the new token's position advances on device
+    cache, t = state
     _, cache = llama.decode_step(params, cache, tokens, lengths + t, config=c, plan=plan)
-    return cache
+    return cache, t + 1
 
-  step = jax.jit(one, donate_argnums=0)
-  counter = iter(range(10**9))
   title = (f"{a.model} {a.dtype} {a.method}@{a.budget} context {a.context} x batch {a.batch}, "
            f"cache as {a.layout}")
-  return (lambda s: step(s, jnp.int32(next(counter)))), cache, title
+  return jax.jit(one, donate_argnums=0), (cache, jnp.int32(0)), title
 
 
 def main(argv=None):
