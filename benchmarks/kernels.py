@@ -9,14 +9,16 @@ On a GPU, at Llama-3.1-8B attention shapes (Hq 32, Hkv 8, D 128), one layer:
 
 1. Correctness of the COMPILED kernels (interpret=False), fp32 and bf16, batch 1 and 4, ragged
    lengths, fresh random inputs for every check: ||out - ref|| / ||ref|| for
-   approx_bounds_scores, approx_chunk_scores, sparse_attention and window_scores, where `ref` is
+   approx_bounds_scores, approx_chunk_scores, quant_slot_logits (`stage2="quant"`, 4-bit codes),
+   sparse_attention and window_scores, where `ref` is
    the XLA function on the same values upcast to float32 at matmul precision "highest"; the XLA
    function on the native dtype at default precision is scored against the same `ref` for
    comparison. End to end, `rocketkv.select` + `attend` with impl="pallas" against impl="xla":
    overlap of the selected valid slots (mean and worst KV head) and the relative difference of
    the attention outputs.
 2. Timing, for every (batch, context length, token budget): microseconds per call of
-   select+attend (Pallas vs XLA, same plan and cache), of the two decode kernels alone, of dense
+   select+attend (Pallas vs XLA, same plan and cache; the paper's stage 2 and `stage2="quant"`
+   side by side, issue #13's step-time ratio), of the decode kernels alone, of dense
    decode attention over the whole uncompressed context (jax's Pallas `decode_attention.gqa`
    and `jax.nn.dot_product_attention`), and of stage-1 window scores (prefill, once per
    prompt). Each function runs `--iters` times inside one jitted `fori_loop` (each iteration's
@@ -52,6 +54,8 @@ from rocketkv_jax.attend import sparse_attention_xla
 from rocketkv_jax.cache import bounds_of
 from rocketkv_jax.evict import window_scores_xla
 from rocketkv_jax.select import approx_bounds_scores_xla, approx_chunk_scores_xla
+from rocketkv_jax.stage2_quant import slot_logits_xla as quant_slot_logits_xla
+from rocketkv_jax.stage2_state import attach, unwrap
 
 # HBM peak bandwidth (GB/s) by device-kind substring; --peak-gbps overrides.
 PEAK_GBPS = {"H200": 4800, "H100": 3350, "H800": 3350, "A100-SXM4-80GB": 2039, "A100": 1555,
@@ -62,7 +66,7 @@ WINDOW = 32
 # Pass marks for ||pallas - ref|| / ||ref||: fp32 kernels compute in IEEE fp32; bf16 kernels
 # take bf16 operands (sparse_attention also rounds its output to bf16, ~2e-3).
 TOL = {"float32": 1e-4, "bfloat16": 1e-2}
-CHECKS = ("approx", "sparse", "window", "e2e")
+CHECKS = ("approx", "quant", "sparse", "window", "e2e")
 T0 = time.perf_counter()
 
 
@@ -104,6 +108,7 @@ def _f32(tree):
 # ---------------------------------------------------------------- correctness (compiled)
 _xla_approx = jax.jit(approx_bounds_scores_xla, static_argnames=("chunk_size", "r"))
 _xla_approx_chunk = jax.jit(approx_chunk_scores_xla, static_argnames=("chunk_size", "r"))
+_xla_quant = jax.jit(quant_slot_logits_xla, static_argnames=("r",))
 _xla_sparse = jax.jit(sparse_attention_xla)
 _xla_window = jax.jit(window_scores_xla)
 
@@ -151,7 +156,7 @@ def _overlap(idx_a, idx_b, length) -> list[float]:
 
 
 def check_compiled(dims, length, budget, batches, interpret, deadline, records,
-                   which=frozenset(("approx", "sparse", "window", "e2e"))):
+                   which=frozenset(CHECKS)):
   """Compiled Pallas kernels vs XLA at real shapes; returns True when every check passes."""
   hq, hkv, d = dims["hq"], dims["hkv"], dims["d"]
   plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=budget), length - 100, 100, d)
@@ -212,6 +217,17 @@ def check_compiled(dims, length, budget, batches, interpret, deadline, records,
                                                         chunk_size=cs, r=r, interpret=interpret),
                     ref_a, lambda: _xla_approx_chunk(q, cache.kmin, cache.kmax, length_arr,
                                                      chunk_size=cs, r=r))
+
+      # stage2="quant" slot logits (4-bit codes of the same keys), on the cache's capacity
+      qplan = _quant_plan(budget, length, d)
+      qstate = _quant_state(cache, qplan) if "quant" in which else None
+      qr = qplan.r
+      ok_all &= add("quant_slot_logits",
+                    lambda: kernels.quant_slot_logits(q, qstate.codes, qstate.step, r=qr, bits=4,
+                                                      capacity=qplan.capacity,
+                                                      interpret=interpret),
+                    lambda: _highest(_xla_quant, q, qstate, r=qr),
+                    lambda: _xla_quant(q, qstate, r=qr))
 
       # sparse attention over top_k distinct random slots; slots past the length are masked
       idx = jnp.argsort(jax.random.uniform(ki, (b, hkv, cap)), axis=-1)[..., :top_k]
@@ -334,8 +350,20 @@ class Sweep:
 
 @functools.partial(jax.jit, static_argnames=("plan", "impl"))
 def _select_attend(q, cache, plan, impl):
+  """`cache`: the plan's stage-2 state (a `KVCache`, or a `QuantState` for "quant")."""
   idx = rocketkv.select(q, cache, plan, impl=impl)
-  return rocketkv.attend(q, cache, idx, impl=impl)
+  return rocketkv.attend(q, unwrap(cache), idx, impl=impl)
+
+
+def _quant_state(cache, qplan):
+  """The `QuantState` of the same keys and values (a cache without chunk summaries)."""
+  return attach(rocketkv.full_cache(cache.k, cache.v, qplan.capacity, 0, cache.length), qplan)
+
+
+def _quant_plan(budget, length, d):
+  """The `stage2="quant"` (4-bit) plan of the same split as the paper's."""
+  return rocketkv.plan(rocketkv.RocketConfig(token_budget=budget, stage2="quant", quant_bits=4),
+                       length - 100, 100, d)
 
 
 def ceilings(sweep, interpret):
@@ -417,7 +445,21 @@ def bench(dims, args, interpret, peak, records):
                   functools.partial(kernels.sparse_attention, interpret=interpret), args_s,
                   sparse_bytes)
         sweep.row(bctx, "  sparse attention xla", sparse_attention_xla, args_s, sparse_bytes)
-        del cache
+        # stage2="quant" on the same keys: r rows of 4-bit codes instead of NC bound rows
+        qplan = _quant_plan(budget, length, d)
+        qstate = _quant_state(cache, qplan)
+        code_bytes = b * hkv * qplan.r * qstate.codes.shape[-1]
+        for impl in ("pallas", "xla"):
+          sweep.row(bctx, f"quant select+attend {impl}",
+                    functools.partial(_select_attend, plan=qplan, impl=impl), (q, qstate),
+                    code_bytes + sparse_bytes)
+        sweep.row(bctx, "  quant slot logits pallas",
+                  functools.partial(kernels.quant_slot_logits, r=qplan.r, bits=4,
+                                    capacity=qplan.capacity, interpret=interpret),
+                  (q, qstate.codes, qstate.step), code_bytes)
+        sweep.row(bctx, "  quant slot logits xla",
+                  functools.partial(quant_slot_logits_xla, r=qplan.r), (q, qstate), code_bytes)
+        del cache, qstate
   return sweep
 
 
@@ -488,10 +530,12 @@ def summary(records, sweep, peak):
         f"read {bw('ceiling', 'read 2 GiB bf16 (sum)')} GB/s")
   print("\n== summary: decode step, us per call (select+attend = both stages of selection + "
         "attention)")
-  hdr = ("sel+att P", "sel+att X", "approx P", "approx X", "sparse P", "sparse X")
+  hdr = ("sel+att P", "sel+att X", "approx P", "approx X", "sparse P", "sparse X", "quant s+a P",
+         "quant s+a X", "qlogits P", "qlogits X")
   names = ("rocketkv select+attend pallas", "rocketkv select+attend xla",
            "approx chunk scores pallas", "approx chunk scores xla", "sparse attention pallas",
-           "sparse attention xla")
+           "sparse attention xla", "quant select+attend pallas", "quant select+attend xla",
+           "quant slot logits pallas", "quant slot logits xla")
   print(f"  {'B':>2s} {'context':>7s} {'budget':>6s} " + " ".join(f"{h:>10s}" for h in hdr))
   ctxs = sorted({r["ctx"] for r in records if r.get("kind") == "time" and "budget" in r["ctx"]
                  and r["ctx"].startswith("B")},

@@ -8,6 +8,9 @@ reference path.
   (== select.approx_bounds_scores_xla / approx_chunk_scores_xla).
 - `sparse_attention`: flash-decoding over gathered slots (== attend.sparse_attention_xla).
 - `window_scores`: stage-1 SnapKV window scores (== evict.window_scores_xla).
+- `quant_slot_logits`: `stage2="quant"` per-slot logits from the packed key codes
+  (== stage2_quant.slot_logits_xla); interpret-mode tested and lowered for CUDA, not yet
+  compiled or timed on a GPU.
 
 Status: compiled and timed on an NVIDIA H200 (jax 0.11.2, results/kernels_h200.md). At
 Llama-3.1-8B shapes every kernel equals the XLA path at precision highest: error below 5e-7 in
@@ -20,7 +23,9 @@ jax 0.11 deprecates the Pallas Triton backend.
 """
 
 from .approx_scores import approx_bounds_scores, approx_chunk_scores
+from .quant_scores import quant_slot_logits
 from .sparse_attention import sparse_attention
 from .window_scores import window_scores
 
-__all__ = ["approx_bounds_scores", "approx_chunk_scores", "sparse_attention", "window_scores"]
+__all__ = ["approx_bounds_scores", "approx_chunk_scores", "quant_slot_logits", "sparse_attention",
+           "window_scores"]

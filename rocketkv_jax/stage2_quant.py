@@ -31,6 +31,9 @@ Decisions (README, "Stage-2 variants"):
   contiguous rows of C * bits / 8 bytes, as the bounds' r rows; each plane is scored by its own
   [G, r] x [r, Nb] product and the logits of the planes concatenate in slot order (no shuffle
   of the codes).
+- Kernels (`impl`): on CUDA the gather of the r code rows, the unpack and the products run in one
+  Pallas kernel (`kernels.quant_slot_logits`), so the unpacked planes never reach memory; the
+  softmax over slots, the group sum and `top_k` stay in XLA, as for the chunk scores.
 - `append` re-codes the byte that holds the new slot from the cache's updated keys (empty slots
   code 0), without reading the old codes, so XLA updates them in place (as the bounds).
 """
@@ -41,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from rocketkv_jax import _impl
 from rocketkv_jax._checks import require
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, _write_rows, valid_slots
@@ -173,9 +177,20 @@ def slot_logits_xla(q: jax.Array, state: QuantState, r: int) -> jax.Array:
   return jnp.concatenate(logits, axis=-1)[..., :c]
 
 
+def slot_logits(q: jax.Array, state: QuantState, r: int, *, impl: str = "auto") -> jax.Array:
+  """`slot_logits_xla`, or the Pallas kernel (`kernels.quant_slot_logits`) as `impl` picks."""
+  def pallas(interpret):
+    from rocketkv_jax import kernels  # imported on first use (Pallas is a heavy import)
+    return kernels.quant_slot_logits(q, state.codes, state.step, r=r, bits=state.bits,
+                                     capacity=state.cache.capacity, interpret=interpret)
+
+  return _impl.dispatch(impl, lambda: slot_logits_xla(q, state, r), pallas)
+
+
 def select_quant(q: jax.Array, state: QuantState, plan: Plan, *,
-                 sliding_window: int | None = None) -> jax.Array:
-  """The `top_k` slots per KV head from the coded keys' scores; contract as `rocketkv.select`.
+                 sliding_window: int | None = None, impl: str = "auto") -> jax.Array:
+  """The `top_k` slots per KV head from the coded keys' scores; contract as `rocketkv.select`
+  (the logits from the kernel or XLA, `impl`; softmax, group sum and `top_k` in XLA).
 
   Returns:
     int32 [B, Hkv, min(top_k, C)], no slot twice; when fewer slots are valid, every valid slot
@@ -188,5 +203,5 @@ def select_quant(q: jax.Array, state: QuantState, plan: Plan, *,
   c = cache.capacity
   k = min(plan.top_k, c)
   valid = valid_slots(cache, sliding_window)  # [B, Hkv, C]
-  scores = _group_softmax_sum(slot_logits_xla(q, state, plan.r), valid)
+  scores = _group_softmax_sum(slot_logits(q, state, plan.r, impl=impl), valid)
   return top_scored_slots(scores, valid, k, c)

@@ -3,9 +3,10 @@
 - interpret mode (CPU) equals the XLA functions across GQA groups 1/3/4/8, head dims 64/128,
   bf16/fp32, ragged lengths, nearly empty and full caches, sizes off the block multiples;
 - each kernel lowers for CUDA (Triton custom call) at Llama-3.1-8B and SmolLM2 shapes, and the
-  embedded Triton IR module verifies, with every tt.dot dim >= 16 (the chunk-score kernel has
-  none);
-- decode_step(impl="pallas") equals impl="xla" over 20 rocketkv decode steps.
+  embedded Triton IR module verifies, with every tt.dot dim >= 16 (the chunk-score and
+  quant-score kernels have none);
+- decode_step(impl="pallas") equals impl="xla" over 20 rocketkv decode steps, for the paper's
+  stage 2 and for `stage2="quant"`.
 Shapes are small: the whole file runs in well under two minutes on two CPU cores.
 """
 
@@ -25,6 +26,8 @@ from rocketkv_jax.attend import sparse_attention_xla as _sparse_xla
 from rocketkv_jax.cache import chunk_summaries
 from rocketkv_jax.evict import window_scores_xla as _window_xla
 from rocketkv_jax.select import approx_chunk_scores_xla as _approx_xla
+from rocketkv_jax.stage2_quant import build as quant_build
+from rocketkv_jax.stage2_quant import slot_logits_xla
 
 # Module-scope jitted references: one compilation per shape instead of op-by-op dispatch.
 sparse_attention_xla = jax.jit(_sparse_xla)
@@ -155,6 +158,53 @@ def test_window_scores_interpret(case):
     assert not np.any(np.asarray(out[i, :, int(lengths[i]):]))
 
 
+# ---------------------------------------------------------------- quant slot logits
+# (B, Hq, Hkv, C, D, bits, r, dtype, lengths, kwargs)
+QUANT_CASES = [
+    (2, 4, 4, 63, 64, 4, 20, F32, (63, 1), {}),                      # G=1, partial last byte
+    (2, 8, 2, 150, 128, 2, 61, BF16, (97, 150), {"block_n": 16}),   # G=4, bytes off the block
+    (1, 16, 2, 40, 64, 8, 64, F32, (0,), {}),                        # G=8, empty cache, r = D
+    (2, 6, 2, 70, 128, 1, 1, BF16, (3, 70), {}),                     # G=3, r = 1, 8 planes
+]
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _quant_state(k, length, bits, capacity):
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, window_size=1, stage2="quant",
+                                             quant_bits=bits, capacity=capacity), capacity, 0,
+                       k.shape[-1])
+  return quant_build(rocketkv.full_cache(k, k, capacity, 0, length), plan)
+
+
+@pytest.mark.parametrize("case", QUANT_CASES, ids=lambda c: f"G{c[1] // c[2]}-D{c[4]}-b{c[5]}")
+def test_quant_slot_logits_interpret(case):
+  b, hq, hkv, c, d, bits, r, dt, lengths, kw = case
+  rng = _rng(c + r + bits)
+  q = _normal(rng, (b, hq, d), dt)
+  state = _quant_state(_normal(rng, (b, hkv, c, d), dt), jnp.array(lengths, jnp.int32), bits, c)
+  out = kernels.quant_slot_logits(q, state.codes, state.step, r=r, bits=bits, capacity=c,
+                                  interpret=True, **kw)
+  assert out.shape == (b, hkv, hq // hkv, c) and out.dtype == jnp.float32
+  # float64 from the definition: per slot, sum over the r dims of q_d * scale * step_d * code.
+  qg = np.asarray(q, np.float64).reshape(b, hkv, hq // hkv, d)
+  codes = np.asarray(state.codes).astype(np.int64)
+  nb, per = codes.shape[-1], 8 // bits
+  slot = np.arange(c)
+  code = (codes[..., slot % nb] >> ((slot // nb) * bits)) & (2 ** bits - 1)  # [B, Hkv, D, C]
+  for i in range(b):
+    for h in range(hkv):
+      absq = np.abs(qg[i, h])  # [G, D]
+      dims = np.argsort(-absq.sum(0), kind="stable")[:r]  # largest group-summed |q|
+      scale = 1 / np.sqrt(d * absq[:, dims].sum(1) / absq.sum(1))  # per query head (SparQ)
+      step = np.asarray(state.step[i, h], np.float64)[dims]
+      want = (qg[i, h][:, dims] * scale[:, None] * step) @ code[i, h, dims]  # [G, C]
+      np.testing.assert_allclose(np.asarray(out[i, h]), want, rtol=1e-4,
+                                 atol=1e-5 * np.abs(want).max(initial=1))
+  # and the XLA path it stands in for, on the same state
+  ref = jax.jit(slot_logits_xla, static_argnums=2)(q, state, r)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
 def test_bad_shapes_raise():
   q = jnp.zeros((1, 6, 64))
   k = jnp.zeros((1, 4, 16, 64))
@@ -231,6 +281,10 @@ def test_kernels_lower_for_cuda(model):
           functools.partial(kernels.approx_chunk_scores, chunk_size=chunk, r=r),
           s((b, hq, d), BF16), s((b, hkv, nc, d), BF16), s((b, hkv, nc, d), BF16),
           s((b,), jnp.int32)),
+      "quant": _export_cuda(  # stage2="quant", 4-bit codes of the same 1618 slots
+          functools.partial(kernels.quant_slot_logits, r=r, bits=4, capacity=capacity),
+          s((b, hq, d), BF16), s((b, hkv, d, capacity // 2), jnp.uint8),
+          s((b, hkv, d), jnp.float32)),
   }
   for top_k in (128, 2048):
     kv = s((b, hkv, capacity if top_k < capacity else 4 * top_k, d), BF16)
@@ -245,7 +299,7 @@ def test_kernels_lower_for_cuda(model):
     assert len(mods) == (2 if name.startswith("window") else 1), name
     for text in mods:
       dims = _dot_dims(text)
-      if name == "approx":  # fp32 elementwise products over gathered rows: no tt.dot
+      if name in ("approx", "quant"):  # fp32 elementwise products over gathered rows: no tt.dot
         assert not dims and "tt.load" in text, (name, dims)
       else:
         assert dims and min(dims) >= 16, (name, dims)
@@ -262,9 +316,10 @@ def _prefill(k, v, q_window, lengths, plan, impl):
   return rocketkv.prefill(k, v, q_window, plan, lengths=lengths, impl=impl)
 
 
-def test_decode_step_pallas_matches_xla():
+@pytest.mark.parametrize("stage2", ["minmax", "quant"])
+def test_decode_step_pallas_matches_xla(stage2):
   b, hq, hkv, d, prompt, new = 2, 8, 2, 64, 200, 20
-  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=64), prompt, new, d)
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, stage2=stage2), prompt, new, d)
   assert plan.prompt_budget < prompt and plan.top_k < plan.capacity  # both stages active
   rng = _rng(7)
   k = _normal(rng, (b, hkv, prompt, d), F32)
@@ -272,7 +327,9 @@ def test_decode_step_pallas_matches_xla():
   qw = _normal(rng, (b, hq, plan.window_size, d), F32)
   lengths = jnp.array([prompt, 150], jnp.int32)
   caches = {impl: _prefill(k, v, qw, lengths, plan, impl) for impl in ("xla", "pallas")}
-  np.testing.assert_array_equal(caches["xla"].pos, caches["pallas"].pos)  # same tokens kept
+  compiled = _step._cache_size()
+  view = (lambda st: st) if stage2 == "minmax" else (lambda st: st.cache)
+  np.testing.assert_array_equal(view(caches["xla"]).pos, view(caches["pallas"]).pos)  # same kept
   for step in range(new):
     q = _normal(rng, (b, hq, d), F32)
     k_new = _normal(rng, (b, hkv, 1, d), F32)
@@ -282,7 +339,7 @@ def test_decode_step_pallas_matches_xla():
       outs[impl], caches[impl] = _step(q, k_new, v_new, caches[impl], plan, impl)
     np.testing.assert_allclose(np.asarray(outs["pallas"]), np.asarray(outs["xla"]),
                                rtol=1e-4, atol=1e-5, err_msg=f"step {step}")
-  assert _step._cache_size() == 2  # one compilation per impl, none per step
+  assert _step._cache_size() == compiled + 2  # one compilation per impl, none per step
 
 
 def test_generate_with_pallas_kernels_matches_xla():

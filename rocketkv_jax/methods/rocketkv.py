@@ -121,7 +121,7 @@ def stage2_select(q, state, plan, *, sliding_window=None, impl="auto"):
   if plan.stage2 == "lowrank":
     return stage2_lowrank.select_lowrank(q, state, plan, sliding_window=sliding_window)
   if plan.stage2 == "quant":
-    return stage2_quant.select_quant(q, state, plan, sliding_window=sliding_window)
+    return stage2_quant.select_quant(q, state, plan, sliding_window=sliding_window, impl=impl)
   require(not isinstance(state, tuple(stage2_state.STATE_TYPES.values())),
           f"a stage2={plan.stage2!r} plan needs a KVCache, got a {type(state).__name__}")
   if plan.stage2 == "rerank":
