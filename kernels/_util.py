@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 # Triton needs power-of-two tensor sizes; its tensor-core dots need every dim >= 16.
@@ -37,6 +38,15 @@ def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
 def dot_precision(dtype) -> lax.Precision | None:
   """fp32 operands: IEEE fp32 (Triton would otherwise use TF32); bf16/fp16: native MMA."""
   return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def load_rows(ref, rows, block: int, ncols: int):
+  """The rows `rows [R]` (-1: padding, loads 0) of program axis 2's column block of `ref
+  [N, ncols]` (columns past ncols load 0): [R, block] in ref's dtype. Two broadcast index vectors
+  (a row gather with a column slice has no interpret-mode rule)."""
+  cols = pl.program_id(2) * block + jnp.arange(block)
+  at = (jnp.maximum(rows, 0)[:, None], jnp.minimum(cols, ncols - 1)[None, :])
+  return plgpu.load(ref.at[at], mask=(rows >= 0)[:, None] & (cols < ncols)[None, :], other=0)
 
 
 def safe_max(m):

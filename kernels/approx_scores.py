@@ -27,26 +27,17 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from rocketkv_jax._checks import group_size, require, require_rank
 from rocketkv_jax.cache import two_sided
 from rocketkv_jax.ops import bound_rows_and_query, group_queries, masked_softmax
 
-from ._util import cdiv, compiler_params, next_pow2, padded_dim
+from ._util import cdiv, compiler_params, load_rows, next_pow2, padded_dim
 
 
 def _kernel(rows_ref, q_ref, b_ref, o_ref, *, num_chunks: int, group: int, block_c: int):
   """rows [R] int32 (-1: padding), q [G, R] f32, bounds [2D, NC] -> logits o [G, block_c] f32."""
-  c = pl.program_id(2)
-  rows = rows_ref[...]
-  row_ok = rows >= 0
-  cols = c * block_c + jnp.arange(block_c)
-  col_ok = cols < num_chunks
-  # Two broadcast index vectors (a row gather with a column slice has no interpret-mode rule).
-  at = (jnp.maximum(rows, 0)[:, None], jnp.minimum(cols, num_chunks - 1)[None, :])
-  tile = plgpu.load(b_ref.at[at], mask=row_ok[:, None] & col_ok[None, :],
-                    other=0).astype(jnp.float32)  # [R, block_c]
+  tile = load_rows(b_ref, rows_ref[...], block_c, num_chunks).astype(jnp.float32)  # [R, block_c]
   for g in range(group):  # static: G is 1..8 for the models we run
     qg = q_ref[g, :]  # [R]
     o_ref[g, :] = jnp.sum(tile * qg[:, None], axis=0)

@@ -24,13 +24,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from rocketkv_jax._checks import group_size, require, require_rank
 from rocketkv_jax.ops import bound_rows_and_query, group_queries
 from rocketkv_jax.stage2_quant import BITS
 
-from ._util import cdiv, compiler_params, next_pow2, padded_dim
+from ._util import cdiv, compiler_params, load_rows, next_pow2, padded_dim
 
 
 
@@ -38,14 +37,7 @@ def _kernel(rows_ref, q_ref, codes_ref, o_ref, *, num_bytes: int, group: int, bi
             block_n: int):
   """rows [R] int32 (-1: padding), q [G, R] f32 (scaled by the grid steps), codes [D, Nb] uint8
   -> logits o [G, per, block_n] f32."""
-  c = pl.program_id(2)
-  rows = rows_ref[...]
-  row_ok = rows >= 0
-  cols = c * block_n + jnp.arange(block_n)
-  col_ok = cols < num_bytes
-  at = (jnp.maximum(rows, 0)[:, None], jnp.minimum(cols, num_bytes - 1)[None, :])
-  tile = plgpu.load(codes_ref.at[at], mask=row_ok[:, None] & col_ok[None, :],
-                    other=0).astype(jnp.int32)  # [R, block_n]
+  tile = load_rows(codes_ref, rows_ref[...], block_n, num_bytes).astype(jnp.int32)  # [R, block_n]
   mask = 2 ** bits - 1
   for j in range(8 // bits):  # static: 1 to 8 planes
     plane = ((tile >> (j * bits)) & mask).astype(jnp.float32)
