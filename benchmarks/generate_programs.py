@@ -80,7 +80,6 @@ def main(argv=None):
             f"{exe.memory_analysis().temp_size_in_bytes / 1e9:.3f} |", flush=True)
 
 
-
 def _time_prompt_pass(model, a):
   """Full KV's prompt pass, layers scanned vs unrolled: mean wall / CPU s per call."""
   c = model.config

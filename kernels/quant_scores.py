@@ -2,7 +2,7 @@
 
 Per KV head (G query heads in its group), the r dims stage 2 reads and the query scaled by each
 dim's grid step are picked in XLA (`lax.top_k` over [B, Hkv, D], tiny; as
-`rocketkv_jax.stage2_quant.slot_logits_xla`). The kernel, grid (batch, KV head, block of code
+`stage2_quant.coded_query`, shared with `slot_logits_xla`). The kernel, grid (batch, KV head, block of code
 bytes), gathers just those r rows of `block_n` bytes straight from the codes `[B, Hkv, D, Nb]`
 uint8 ([R, block_n], R = r padded to a power of two >= 16, padding rows masked), unpacks each
 of the `8 / bits` code planes in registers and computes the G logit rows of each plane in fp32
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from rocketkv_jax._checks import group_size, require, require_rank
-from rocketkv_jax.ops import bound_rows_and_query, group_queries
-from rocketkv_jax.stage2_quant import BITS
+from rocketkv_jax.ops import group_queries
+from rocketkv_jax.stage2_quant import BITS, coded_query
 
 from ._util import cdiv, compiler_params, load_rows, next_pow2, padded_dim
 
@@ -85,9 +85,7 @@ def quant_slot_logits(q: jax.Array, codes: jax.Array, step: jax.Array, *, r: int
   g = q.shape[1] // hkv
   rp = padded_dim(r)
 
-  qg = group_queries(q, hkv).astype(jnp.float32)
-  ridx, _, q_r = bound_rows_and_query(qg, r)  # [B, Hkv, r], [B, Hkv, G, r] (scaled)
-  qs = q_r * jnp.take_along_axis(step, ridx, axis=-1)[:, :, None, :]
+  ridx, qs = coded_query(group_queries(q, hkv).astype(jnp.float32), step, r)
   rows = jnp.pad(ridx.astype(jnp.int32), ((0, 0), (0, 0), (0, rp - r)), constant_values=-1)
   qs = jnp.pad(qs, ((0, 0), (0, 0), (0, 0), (0, rp - r)))
 

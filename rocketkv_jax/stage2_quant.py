@@ -156,6 +156,21 @@ def append_codes(state: QuantState, new: KVCache) -> QuantState:
   return state.replace(cache=new, codes=_write_rows(state.codes, col, byte, axis=3))
 
 
+def coded_query(qg: jax.Array, step: jax.Array, r: int) -> tuple[jax.Array, jax.Array]:
+  """The r dims a step reads and the query that multiplies their codes.
+
+  Args:
+    qg: [B, Hkv, G, D] float32 queries grouped by KV head.
+    step: [B, Hkv, D] per-channel grid steps.
+    r: dims read (static).
+  Returns:
+    (ridx [B, Hkv, r] the dims (`ops.top_r_dims`), qs [B, Hkv, G, r] q on them times SparQ's
+     temperature and each dim's grid step).
+  """
+  ridx, _, q_r = bound_rows_and_query(qg, r)
+  return ridx, q_r * jnp.take_along_axis(step, ridx, axis=-1)[:, :, None, :]
+
+
 def slot_logits_xla(q: jax.Array, state: QuantState, r: int) -> jax.Array:
   """Approximate logits of every slot, up to a per-query-head constant.
 
@@ -168,11 +183,8 @@ def slot_logits_xla(q: jax.Array, state: QuantState, r: int) -> jax.Array:
   """
   cache = state.cache
   hkv, c = cache.k_raw.shape[1], cache.capacity
-  qg = group_queries(q, hkv).astype(jnp.float32)
-  ridx, _, q_r = bound_rows_and_query(qg, r)  # [B, Hkv, r], [B, Hkv, G, r] (scaled)
-  step_r = jnp.take_along_axis(state.step, ridx, axis=-1)  # [B, Hkv, r]
+  ridx, qs = coded_query(group_queries(q, hkv).astype(jnp.float32), state.step, r)
   rows = jnp.take_along_axis(state.codes, ridx[..., None], axis=2)  # [B, Hkv, r, Nb] uint8
-  qs = q_r * step_r[:, :, None, :]
   logits = [jnp.einsum("bhgr,bhrc->bhgc", qs, p) for p in planes(rows, state.bits)]
   return jnp.concatenate(logits, axis=-1)[..., :c]
 
