@@ -116,6 +116,15 @@ def main(argv=None):
   try:
     if importlib.util.find_spec("matplotlib") is None:  # fail now, not after an hour's run
       raise ValueError('the plots need matplotlib: pip install -e ".[eval]"')
+    # every method spec, task and count checked before a model is loaded or a folder made
+    cfg = harness.SweepConfig(
+        tasks=tuple(a.tasks), context_lengths=tuple(a.lengths), methods=tuple(a.methods),
+        budgets=tuple(a.budgets), samples=a.samples, sample_start=a.sample_start, seed=a.seed,
+        batch_size=a.batch_size,
+        max_new_tokens=a.max_new_tokens, quest_page_size=a.quest_page_size,
+        data_dir=a.data_dir, datasets=tuple(a.datasets) if a.datasets else None,
+        multiturn_methods=tuple(a.mt_methods), diagnostics=a.diagnostics or a.diagnostics_only,
+        decode=not a.diagnostics_only, gold_score=not a.no_gold_score)
     a.out = output_dir(a.out, a.overwrite)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -134,14 +143,6 @@ def main(argv=None):
 
   t0 = time.perf_counter()
   model = M.load(a.model or M.smollm2_path(), dtype=jnp.dtype(a.dtype))
-  cfg = harness.SweepConfig(
-      tasks=tuple(a.tasks), context_lengths=tuple(a.lengths), methods=tuple(a.methods),
-      budgets=tuple(a.budgets), samples=a.samples, sample_start=a.sample_start, seed=a.seed,
-      batch_size=a.batch_size,
-      max_new_tokens=a.max_new_tokens, quest_page_size=a.quest_page_size, data_dir=a.data_dir,
-      datasets=tuple(a.datasets) if a.datasets else None, multiturn_methods=tuple(a.mt_methods),
-      diagnostics=a.diagnostics or a.diagnostics_only, decode=not a.diagnostics_only,
-      gold_score=not a.no_gold_score)
   os.makedirs(a.out, exist_ok=True)
   partial_path = os.path.join(a.out, f"{a.name}.partial.json")
 

@@ -105,6 +105,33 @@ def test_multiturn_scored_per_turn_and_full_matches_generate():
   assert by[("multiturn_t1", "rocketkv")]["tokens"] == by[("multiturn_t1", "rocketkv_mt")]["tokens"]
 
 
+def test_multiturn_takes_stage2_variants():
+  """`multiturn_methods` takes variant specs. With top_k above every capacity each reader attends
+  to every kept slot, so the per-token codes ("quant") must give the paper's stage 2's tokens
+  turn by turn: a turn token lost or misplaced when the quant state is rebuilt over the grown
+  cache (rocketkv) or over the re-run stage 1 (rocketkv_mt) changes them, and a state left
+  unbuilt fails the decode step's state check."""
+  model = tiny_model()
+  pad = 192
+  every = ("rocketkv:top_k=4096", "rocketkv:stage2=quant,top_k=4096",
+           "rocketkv_mt:top_k=4096", "rocketkv_mt:stage2=quant,top_k=4096")
+  coded = ("rocketkv:stage2=quant", "rocketkv_mt:stage2=quant")
+  cfg = harness.SweepConfig(tasks=("multiturn",), context_lengths=(1024,), budgets=(64,),
+                            samples=1, max_new_tokens=5, turn_pad=pad, turns=2,
+                            multiturn_methods=every + coded)
+  res = harness.run_sweep(model, cfg, progress=False)
+  by = {(r["task"], r["method"]): r["tokens"] for r in res["records"]}
+  assert set(by) == {(f"multiturn_t{t}", m) for t in (1, 2) for m in every + coded}
+  for t in (1, 2):
+    for base in ("rocketkv", "rocketkv_mt"):
+      assert (by[(f"multiturn_t{t}", f"{base}:stage2=quant,top_k=4096")]
+              == by[(f"multiturn_t{t}", f"{base}:top_k=4096")])
+  assert by[("multiturn_t1", coded[0])] == by[("multiturn_t1", coded[1])]
+  assert res["plans"]["multiturn/rocketkv:stage2=quant/64/turn2"]["stage2"] == "quant"
+  with pytest.raises(ValueError, match="unknown method"):
+    harness.SweepConfig(multiturn_methods=("rocketkv_x",))
+
+
 def test_attention_recall_exact_topk_is_the_upper_bound():
   from rocketkv_jax.eval import diagnostics
 

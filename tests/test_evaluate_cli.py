@@ -40,6 +40,25 @@ def test_existing_results_need_overwrite(tmp_path):
   assert (tmp_path / "results.json").read_text() == "{}"
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--methods", "rocketkv:stage2=bogus"], "error: method override stage2='bogus' in "
+     "'rocketkv:stage2=bogus' must be one of ['minmax', 'rerank', 'lowrank', 'quant']"),
+    (["--tasks", "multiturn", "--mt-methods", "rocketkv_x"], "error: unknown method "
+     "'rocketkv_x' in 'rocketkv_x'; allowed: "),
+    (["--samples", "0"], "error: samples and batch_size must be >= 1, got samples=0, "
+     "batch_size=1"),
+])
+def test_bad_arguments_are_one_line_before_any_work(tmp_path, args, message):
+  """A bad method spec or count: one line, exit 2, before a model loads or a folder is made."""
+  out = tmp_path / "out"
+  proc = subprocess.run([sys.executable, str(SCRIPT), *args, "--out", str(out)],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(message), lines
+  assert not out.exists()
+
+
 def test_stale_plots_are_removed(tmp_path, monkeypatch):
   report = EV["report"]
   for f in ("r.json", "r.md", "r_accuracy.png", "r_niah_heatmap.png"):

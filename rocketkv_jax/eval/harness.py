@@ -14,12 +14,16 @@ batch of a (task, length) has the same shape and each (method, budget) compiles 
 A method may be an ablation variant, e.g. "rocketkv:chunk_size=1,r=64" (`variants`).
 
 Multi-turn ("multiturn" in tasks): batch 1, three questions on one context, for the methods of
-`multiturn_methods` among full / rocketkv / rocketkv_mt:
+`multiturn_methods` among full / rocketkv / rocketkv_mt, or their variants (e.g.
+"rocketkv_mt:stage2=quant"):
   * full: the whole conversation is kept (plan sized for every turn).
   * rocketkv: stage 1 ran once, with the first question's window; later turn prompts are run
     densely over the compressed cache and appended (`rocketkv.extend`), no re-prefill. Its
     per-turn split (top_k, chunk_size, r) is the one rocketkv_mt uses for that turn, so the
-    two differ only in whether stage 1 is re-run.
+    two differ only in whether stage 1 is re-run. A stage-2 variant's summaries beside the
+    cache ("lowrank", "quant") are rebuilt over the grown cache after each turn's append
+    (`stage2_state.attach`, as after the first prefill: a turn's prompt is a prefill, so the
+    quant grid is fixed anew there); "minmax" / "rerank" read the bounds `extend` rebuilds.
   * rocketkv_mt: the full cache is kept; later turn prompts are run densely over it and
     `rocketkv.begin_turn` re-runs stage 1 with that turn's window queries.
 Each turn's answer is scored on its own (task names multiturn_t1, multiturn_t2, ...).
@@ -50,6 +54,7 @@ import rocketkv_jax as rocketkv
 from rocketkv_jax import methods as methods_lib
 from rocketkv_jax.eval import longbench, tasks as tasks_lib, variants
 from rocketkv_jax.eval.runner import Runner, as_cache, layer_states
+from rocketkv_jax.stage2_state import attach, unwrap
 
 DEFAULT_METHODS = ("full", "exact_topk", "rocketkv", "snapkv", "quest", "sparq", "streamingllm")
 MT_METHODS = ("full", "rocketkv", "rocketkv_mt")
@@ -82,14 +87,14 @@ class SweepConfig:
     for m in self.methods:
       variants.parse(m)  # a METHODS name, or a variant spec such as "rocketkv:top_k=B"
     for m in self.multiturn_methods:
-      if m not in rocketkv.METHODS:
-        raise ValueError(f"unknown method {m!r}; allowed: {sorted(rocketkv.METHODS)}")
+      variants.parse(m)
     for t in self.tasks:
       if t not in tasks_lib.TASKS + (tasks_lib.MULTITURN_TASK,):
         raise ValueError(f"unknown task {t!r}; allowed: "
                          f"{tasks_lib.TASKS + (tasks_lib.MULTITURN_TASK,)}")
     if self.samples < 1 or self.batch_size < 1:
-      raise ValueError("samples and batch_size must be >= 1")
+      raise ValueError(f"samples and batch_size must be >= 1, got samples={self.samples}, "
+                       f"batch_size={self.batch_size}")
     if self.sample_start < 0:
       raise ValueError(f"sample_start must be >= 0, got {self.sample_start}")
     if self.quest_page_size < 1:
@@ -160,6 +165,12 @@ def _grow_all(states, *, capacities, chunk_sizes):
   from rocketkv_jax.cache import grow
 
   return [grow(s, c, chunk_size=cs) for s, c, cs in zip(states, capacities, chunk_sizes)]
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "dense"))
+def _attach_all(caches, *, plan, dense):
+  """Each non-dense layer's stage-2 state of `plan` over its (grown, extended) cache."""
+  return [c if i in dense else attach(c, plan) for i, c in enumerate(caches)]
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))
@@ -341,7 +352,7 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
     for method, budget in decode_configs(cfg, cfg.multiturn_methods):
       t0 = time.perf_counter()
       b = budget if budget is not None else max(cfg.budgets)
-      method_obj = methods_lib.get(method)
+      method_obj = methods_lib.get(variants.base_method(method))
       mt = method_obj.keeps_full_cache
       per_turn = method_obj.replan_per_turn  # rocketkv and rocketkv_mt: same split per turn
       plan = runner.plan(method, b, p, mn if per_turn else rest)
@@ -367,6 +378,7 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
             states = _begin_all(states, kt, vt, qw, jax.numpy.asarray(tl), plan=tplan)
             seen = states[0].full.seen
           else:
+            states = [unwrap(st) for st in states]  # the KVCaches (stage-2 states rebuilt below)
             first, kt, vt, qw = runner.turn_prefill(states, tt, tl)
             tplan = plan
             if per_turn:
@@ -383,6 +395,7 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
                                     for i, st in enumerate(states)))
             states = _extend_all(states, kt, vt, jax.numpy.asarray(tl))
             seen = states[0].seen
+            states = _attach_all(states, plan=tplan, dense=tuple(method_obj.dense_layers(tplan)))
           got, out, steps, cache = runner.continue_decode(
               as_cache(runner.model.params, states), first, seen, tplan, mn)
         pred = tok.decode(got[0])
