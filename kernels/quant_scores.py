@@ -7,7 +7,8 @@ block of code bytes), gathers just those r rows of `block_n` bytes straight from
 `[B, Hkv, D, Nb]` uint8 ([R, block_n], R = r padded to a power of two >= 16, padding rows
 masked), unpacks each of the `8 / bits` code planes in registers and computes the G logit
 rows of each plane in fp32 as elementwise products summed over the rows (no tensor-core dot,
-as `approx_scores`: a [G, R] x [R, block_n] fp32 product would pad G to 16 rows on Triton's IEEE-fp32 FMA path).
+as `approx_scores`: a [G, R] x [R, block_n] fp32 product would pad G to 16 rows on Triton's
+IEEE-fp32 FMA path).
 The unpacked codes never reach HBM: the step reads r * C * bits / 8 bytes of codes and writes
 G * 4 bytes of logits per slot. The masked softmax over slots, the group sum and `top_k` run in
 XLA (`select_quant`).
