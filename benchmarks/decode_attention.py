@@ -14,13 +14,14 @@ bit (uint16) storage; see `dense_step`).
     python benchmarks/decode_attention.py                      # the README table
     python benchmarks/decode_attention.py --contexts 32768 --budgets 256 --dtypes bfloat16
 
-With `--stage2 minmax rerank lowrank quant` it also times RocketKV's stage-2 variants side by side
-(`RocketConfig.stage2`; the variants' steps interleaved round by round, so that
-load on the machine hits them alike) and prints each one's step time and bytes read per step
+With `--stage2 minmax rerank lowrank quant quant_equal_read` it also times RocketKV's stage-2
+variants side by side (`RocketConfig.stage2`; `quant_equal_read` is "quant" with
+`quant_capacity="equal_read"`; the variants' steps interleaved round by round, so that load on
+the machine hits them alike) and prints each one's step time and bytes read per step
 as a ratio to minmax (issue #13's targets: <= 1.3x the time, <= 1.2x the bytes):
 
     python benchmarks/decode_attention.py --contexts 32768 --budgets 256 --dtypes bfloat16 \
-        --stage2 minmax rerank lowrank quant
+        --stage2 minmax rerank lowrank quant quant_equal_read
 
 With `--skip-layers N` (`RocketConfig.skip_layers`, an ablation) the first N of `--num-layers`
 layers (default 32, Llama-3.1-8B) attend densely to their whole cache: the table adds the step
@@ -202,6 +203,18 @@ def stage2_read_bytes(plan, itemsize: int, num_kv_heads: int = HKV) -> int:
   return n * num_kv_heads * itemsize
 
 
+# `--stage2` names: RocketConfig.stage2's values, and "quant_equal_read" for stage2="quant" with
+# quant_capacity="equal_read" (stage 1 keeps the slots the codes' saved bytes pay for).
+STAGE2_CHOICES = list(rocketkv.STAGE2) + ["quant_equal_read"]
+
+
+def stage2_config(budget: int, name: str) -> rocketkv.RocketConfig:
+  """The RocketConfig of a `--stage2` name (`STAGE2_CHOICES`) at `budget`."""
+  if name == "quant_equal_read":
+    return rocketkv.RocketConfig(token_budget=budget, stage2="quant", quant_capacity="equal_read")
+  return rocketkv.RocketConfig(token_budget=budget, stage2=name)
+
+
 def bench_stage2(context, budget, dtype, variants, rounds, steps, impl):
   """Median wall and process-CPU seconds per step of each stage-2 variant's `decode_step`,
   interleaved in `rounds` rounds of `steps` steps (rounds * steps + 1 <= 100, the plan's free
@@ -213,8 +226,7 @@ def bench_stage2(context, budget, dtype, variants, rounds, steps, impl):
   k1, k2 = jax.random.split(jax.random.PRNGKey(2))
   runs = {}
   for s2 in variants:
-    plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=budget, stage2=s2), context - 100,
-                         100, D)
+    plan = rocketkv.plan(stage2_config(budget, s2), context - 100, 100, D)
     kc = jax.random.normal(k1, (1, HKV, plan.prompt_budget, D), dtype)
     vc = jax.random.normal(k2, (1, HKV, plan.prompt_budget, D), dtype)
     state = attach(rocketkv.full_cache(kc, vc, plan.capacity, plan.chunk_size), plan)
@@ -255,7 +267,8 @@ def main_stage2(args):
         for s2, (t, ct, nb, p) in res.items():
           extra = {"minmax": "-", "rerank": f"M={min(p.rerank_candidates, p.capacity)}",
                    "lowrank": f"P={p.lowrank_page_size} R={p.lowrank_rank}",
-                   "quant": f"bits={p.quant_bits}"}[s2]
+                   "quant": f"bits={p.quant_bits}",
+                   "quant_equal_read": f"bits={p.quant_bits}, equal read"}[s2]
           print(f"| {dtype.name} | {ctx // 1024}K | {b} | {s2} | {p.capacity} / {p.chunk_size} / "
                 f"{p.r} / {p.top_k} | {extra} | {t * 1e3:.3f} | {t / t0:.2f}x | "
                 f"{ct * 1e3:.3f} | {ct / c0:.2f}x | {nb / 1024:.1f} | {nb / b0:.3f}x |",
@@ -268,7 +281,7 @@ def main():
   ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
   ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
   ap.add_argument("--repeats", type=int, default=15)
-  ap.add_argument("--stage2", nargs="+", choices=list(rocketkv.STAGE2), default=None,
+  ap.add_argument("--stage2", nargs="+", choices=STAGE2_CHOICES, default=None,
                   help="time these stage-2 variants next to minmax instead of the dense table")
   ap.add_argument("--rounds", type=int, default=6, help="--stage2: interleaved rounds")
   ap.add_argument("--steps", type=int, default=14, help="--stage2: steps per round")

@@ -42,6 +42,9 @@ class RocketConfig:
     rerank_factor: candidates per selected slot for "rerank" (>= 1).
     lowrank_page_size, lowrank_rank: page size P and rank R for "lowrank" (R <= P, R <= D).
     quant_bits: bits per key code for "quant", one of 1, 2, 4, 8.
+    quant_capacity: the capacity of "quant": "paper" (the paper's split) or "equal_read" (stage 1
+      keeps as many slots as make the codes' read per step equal the paper's bounds' read at
+      this budget, `stage2_quant.equal_read_capacity`; the same top_k and r).
     skip_layers: the first `skip_layers` layers keep their whole cache (no stage-1 eviction) and
       attend densely at every decode step, for the methods that accept it
       (`Method.accepts_skip_layers`: rocketkv, rocketkv_mt; others reject a value other than 0).
@@ -70,6 +73,7 @@ class RocketConfig:
   lowrank_page_size: int = 128
   lowrank_rank: int = 8
   quant_bits: int = 4
+  quant_capacity: str = "paper"
   skip_layers: int = 0
 
   def __post_init__(self):

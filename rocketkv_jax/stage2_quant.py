@@ -36,6 +36,11 @@ Decisions (README, "Stage-2 variants"):
   softmax over slots, the group sum and `top_k` stay in XLA, as for the chunk scores.
 - `append` re-codes the byte that holds the new slot from the cache's updated keys (empty slots
   code 0), without reading the old codes, so XLA updates them in place (as the bounds).
+- Capacity (`RocketConfig.quant_capacity`): "paper" keeps the paper's split. "equal_read"
+  (`equal_read_capacity`) spends the bytes the codes save on stage 1: it keeps as many slots as
+  make the codes' read equal to the paper's bounds' read at the same budget (16-bit bounds, the
+  paper's r), so stage 1 evicts less for the same bytes per step. The cost is memory and
+  scoring work, both counted in the README ("Stage-2 variants").
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ from rocketkv_jax.ops import bound_rows_and_query, group_queries
 from rocketkv_jax.select import _group_softmax_sum, check_query, top_scored_slots
 
 BITS = (1, 2, 4, 8)
+CAPACITY = ("paper", "equal_read")
+BOUND_BITS = 16  # the paper's bounds are read as 16-bit values (bf16 / fp16 caches)
 
 
 @struct.dataclass
@@ -75,6 +82,22 @@ class QuantState:
   @property
   def per_byte(self) -> int:
     return 8 // self.bits
+
+
+def equal_read_capacity(capacity: int, chunk_size: int, bits: int) -> int:
+  """The most slots whose codes cost no more to read than the paper's bounds.
+
+  The paper's stage 2 reads one bound per dim per chunk on r dims: NC * r * 16 bits, NC =
+  ceil(capacity / chunk_size). The codes of C slots cost r * C * bits plus r fp32 grid steps.
+  On the same r dims r cancels: C = 16 * (NC - 2) / bits (the - 2 pays for the steps), rounded
+  down to whole bytes of codes, and never fewer slots than the paper keeps.
+
+  Example (32K prompt, B = 256, D = 128, 4 bits): the paper keeps 1618 slots in 540 chunks of 3
+  and reads r = 60 dims; the codes can cover 2152 slots for the same bytes.
+  """
+  nc = -(-capacity // chunk_size)
+  per = 8 // bits
+  return max(capacity, BOUND_BITS * (nc - 2) // bits // per * per)
 
 
 def quantize(k: jax.Array, lo: jax.Array, step: jax.Array, bits: int) -> jax.Array:

@@ -203,6 +203,47 @@ def test_stage2_config_plan_and_errors():
                   1000, 10, 16)
 
 
+def test_quant_equal_read_capacity():
+  """`quant_capacity="equal_read"`: the slots whose 4-bit codes on the paper's r dims cost what
+  the paper's 16-bit bounds cost, computed here by hand; stage 1 then keeps a superset."""
+  # The paper's 32K example: 1618 slots in ceil(1618 / 3) = 540 chunks, r = 60 (README).
+  cfg = dict(token_budget=256, stage2="quant")
+  paper = rocketkv.plan(rocketkv.RocketConfig(**cfg), 32668, 100, 128)
+  eq = rocketkv.plan(rocketkv.RocketConfig(**cfg, quant_capacity="equal_read"), 32668, 100, 128)
+  assert (paper.capacity, paper.r) == (1618, 60)
+  bound_bits = 540 * 60 * 16  # one bound per dim per chunk
+  code_bits = lambda c: 60 * c * 4 + 60 * 32  # codes + fp32 grid steps
+  assert code_bits(2152) <= bound_bits < code_bits(2152 + 2)  # whole bytes: 2 slots per byte
+  assert (eq.capacity, eq.prompt_budget, eq.r, eq.top_k) == (2152, 2052, 60, 128)
+  # 8 bits cost more than the bounds: the paper's capacity (never fewer slots).
+  eq8 = rocketkv.plan(rocketkv.RocketConfig(**cfg, quant_bits=8, quant_capacity="equal_read"),
+                      32668, 100, 128)
+  assert eq8.capacity == 1618
+  # A prompt that fits is kept whole either way; the capacity never exceeds T.
+  short = rocketkv.plan(rocketkv.RocketConfig(**cfg, quant_capacity="equal_read"), 200, 10, 64)
+  assert (short.capacity, short.prompt_budget) == (210, 200)
+  near = rocketkv.plan(rocketkv.RocketConfig(**cfg, quant_capacity="equal_read"), 2048, 24, 64)
+  assert near.capacity <= 2048 + 24 and near.prompt_budget <= 2048
+  # Stage 1's top-k is nested: the larger budget keeps every token the paper keeps.
+  rng = np.random.default_rng(0)
+  k, v = (jnp.asarray(rng.standard_normal((1, HKV, 600, D)), jnp.float32) for _ in range(2))
+  qw = jnp.asarray(rng.standard_normal((1, HQ, 8, D)), jnp.float32)
+  kw = dict(token_budget=64, stage2="quant", window_size=8, kernel_size=3)
+  plans = [rocketkv.plan(rocketkv.RocketConfig(**kw, quant_capacity=c), 600, 8, D)
+           for c in ("paper", "equal_read")]
+  assert plans[1].prompt_budget > plans[0].prompt_budget
+  kept = [np.asarray(rocketkv.evict(k, v, qw, p).pos)[0, :, :p.prompt_budget] for p in plans]
+  for h in range(HKV):
+    assert set(kept[0][h]) < set(kept[1][h])
+  with pytest.raises(ValueError, match=r"quant_capacity must be one of \['paper', "
+                     r"'equal_read'\], got 'more'"):
+    rocketkv.RocketConfig(**cfg, quant_capacity="more")
+  with pytest.raises(ValueError, match="quant_capacity='equal_read' needs stage2='quant'"):
+    rocketkv.RocketConfig(token_budget=256, quant_capacity="equal_read")
+  with pytest.raises(ValueError, match="leave capacity and prompt_budget unset"):
+    rocketkv.RocketConfig(**cfg, quant_capacity="equal_read", capacity=3000)
+
+
 def test_variant_specs():
   assert variants.parse("rocketkv:stage2=rerank,rerank_factor=2") == (
       "rocketkv", {"stage2": "rerank", "rerank_factor": 2.0})
@@ -212,6 +253,10 @@ def test_variant_specs():
   assert (cfg.stage2, cfg.quant_bits) == ("quant", 8)
   with pytest.raises(ValueError, match="must be one of"):
     variants.parse("rocketkv:stage2=foo")
+  cfg = variants.rocket_config("rocketkv:stage2=quant,quant_capacity=equal_read", 256)
+  assert (cfg.stage2, cfg.quant_capacity) == ("quant", "equal_read")
+  with pytest.raises(ValueError, match=r"quant_capacity='x' in .* must be one of \['paper'"):
+    variants.parse("rocketkv:stage2=quant,quant_capacity=x")
 
 
 def test_minmax_unchanged():
