@@ -17,8 +17,9 @@ bit (uint16) storage; see `dense_step`).
 With `--stage2 minmax rerank lowrank quant quant_equal_read` it also times RocketKV's stage-2
 variants side by side (`RocketConfig.stage2`; `quant_equal_read` is "quant" with
 `quant_capacity="equal_read"`; the variants' steps interleaved round by round, so that load on
-the machine hits them alike) and prints each one's step time and bytes read per step
-as a ratio to minmax (issue #13's targets: <= 1.3x the time, <= 1.2x the bytes):
+the machine hits them alike) and prints each one's step time, bytes read per step and bytes
+held (one layer's decode state: K/V plus bounds or codes) as ratios to minmax (issue #13's
+targets: <= 1.3x the time, <= 1.2x the bytes read):
 
     python benchmarks/decode_attention.py --contexts 32768 --budgets 256 --dtypes bfloat16 \
         --stage2 minmax rerank lowrank quant quant_equal_read
@@ -233,12 +234,13 @@ def bench_stage2(context, budget, dtype, variants, rounds, steps, impl):
     step = jax.jit(lambda q, kn, vn, c, plan=plan: rocketkv.decode_step(q, kn, vn, c, plan,
                                                                         impl=impl),
                    donate_argnums=3)
+    held = sum(x.nbytes for x in jax.tree.leaves(state))  # K/V + summaries / codes + lengths
     out = step(q, kn, vn, state)  # compile + warm-up
     jax.block_until_ready(out)
-    runs[s2] = [step, out[1], plan, []]
+    runs[s2] = [step, out[1], plan, [], held]
   for _ in range(rounds):
     for s2 in variants:
-      step, state, plan, times = runs[s2]
+      step, state, plan, times, _ = runs[s2]
       for _ in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
         out = step(q, kn, vn, state)
@@ -248,30 +250,32 @@ def bench_stage2(context, budget, dtype, variants, rounds, steps, impl):
       runs[s2][1] = state
   item = jnp.dtype(dtype).itemsize
   return {s2: (statistics.median(t for t, _ in times), statistics.median(c for _, c in times),
-                stage2_read_bytes(plan, item), plan)
-          for s2, (_, _, plan, times) in runs.items()}
+                stage2_read_bytes(plan, item), plan, held)
+          for s2, (_, _, plan, times, held) in runs.items()}
 
 
 def main_stage2(args):
   print(f"backend={jax.default_backend()} devices={jax.devices()} impl={args.impl}")
   print("| dtype | context | budget | stage2 | C / chunk / r / top_k | extra | ms / step | "
-        "time / minmax | CPU ms / step | CPU time / minmax | KiB read | bytes / minmax |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        "time / minmax | CPU ms / step | CPU time / minmax | KiB read | bytes / minmax | "
+        "KiB held | held / minmax |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   variants = ["minmax"] + [v for v in args.stage2 if v != "minmax"]
   for dt in args.dtypes:
     dtype = jnp.dtype(dt)
     for ctx in args.contexts:
       for b in args.budgets:
         res = bench_stage2(ctx, b, dtype, variants, args.rounds, args.steps, args.impl)
-        t0, c0, b0, _ = res["minmax"]
-        for s2, (t, ct, nb, p) in res.items():
+        t0, c0, b0, _, h0 = res["minmax"]
+        for s2, (t, ct, nb, p, held) in res.items():
           extra = {"minmax": "-", "rerank": f"M={min(p.rerank_candidates, p.capacity)}",
                    "lowrank": f"P={p.lowrank_page_size} R={p.lowrank_rank}",
                    "quant": f"bits={p.quant_bits}",
                    "quant_equal_read": f"bits={p.quant_bits}, equal read"}[s2]
           print(f"| {dtype.name} | {ctx // 1024}K | {b} | {s2} | {p.capacity} / {p.chunk_size} / "
                 f"{p.r} / {p.top_k} | {extra} | {t * 1e3:.3f} | {t / t0:.2f}x | "
-                f"{ct * 1e3:.3f} | {ct / c0:.2f}x | {nb / 1024:.1f} | {nb / b0:.3f}x |",
+                f"{ct * 1e3:.3f} | {ct / c0:.2f}x | {nb / 1024:.1f} | {nb / b0:.3f}x | "
+                f"{held / 1024:.0f} | {held / h0:.3f}x |",
                 flush=True)
 
 

@@ -15,6 +15,7 @@ from rocketkv_jax import methods
 from rocketkv_jax._checks import require, require_int
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.methods import METHODS, STAGE2
+from rocketkv_jax.stage2_quant import CAPACITY as QUANT_CAPACITY
 
 __all__ = ["METHODS", "Plan", "RocketConfig", "STAGE2", "check_num_layers", "plan"]
 
@@ -87,6 +88,14 @@ class RocketConfig:
             f"stage2={self.stage2!r} needs method in "
             f"{sorted(n for n, m in methods.REGISTRY.items() if self.stage2 in m.stage2_variants)}"
             f", got {self.method!r}")
+    require(self.quant_capacity in QUANT_CAPACITY, f"quant_capacity must be one of "
+            f"{list(QUANT_CAPACITY)}, got {self.quant_capacity!r}")
+    if self.quant_capacity == "equal_read":  # every method: only "quant" has codes to pay with
+      require(self.stage2 == "quant",
+              f"quant_capacity='equal_read' needs stage2='quant', got {self.stage2!r}")
+      require(self.capacity is None and self.prompt_budget is None,
+              "quant_capacity='equal_read' sets the capacity: leave capacity and "
+              "prompt_budget unset")
     require_int("skip_layers", self.skip_layers, 0)
     require(self.skip_layers == 0 or method.accepts_skip_layers,
             f"skip_layers={self.skip_layers} needs method in "

@@ -40,7 +40,7 @@ from rocketkv_jax.methods.base import (Method, checked_append, dense_layer_cache
                                        require_half_budget, require_window_budget)
 from rocketkv_jax.methods.sparq import approx_select
 from rocketkv_jax.select import approx_scores, check_chunks
-from rocketkv_jax.stage2_quant import BITS, CAPACITY, equal_read_capacity
+from rocketkv_jax.stage2_quant import BITS, equal_read_capacity
 
 STAGE2 = ("minmax", "rerank", "lowrank", "quant")
 
@@ -64,14 +64,6 @@ class RocketKV(Method):
     require_int("lowrank_rank", config.lowrank_rank, 1, config.lowrank_page_size)
     require(config.quant_bits in BITS,
             f"quant_bits must be one of {list(BITS)}, got {config.quant_bits!r}")
-    require(config.quant_capacity in CAPACITY,
-            f"quant_capacity must be one of {list(CAPACITY)}, got {config.quant_capacity!r}")
-    if config.quant_capacity == "equal_read":
-      require(config.stage2 == "quant",
-              f"quant_capacity='equal_read' needs stage2='quant', got {config.stage2!r}")
-      require(config.capacity is None and config.prompt_budget is None,
-              "quant_capacity='equal_read' sets the capacity: leave capacity and "
-              "prompt_budget unset")
 
   def split(self, config, prompt_len, max_new_tokens, head_dim):
     split = dict(paper_split(config, prompt_len, max_new_tokens, head_dim),
