@@ -58,8 +58,16 @@ def _attention_step(a):
   cache = attach(rocketkv.full_cache(k, k, plan.capacity, plan.chunk_size), plan)
   q = jax.random.normal(jax.random.PRNGKey(1), (1, HQ, D), dt)
   kn = jnp.ones((1, HKV, 1, D), dt)
-  step = jax.jit(lambda c: rocketkv.decode_step(q, kn, kn, c, plan)[1], donate_argnums=0)
-  return step, cache, f"{a.dtype} context {a.context} budget {a.budget} stage2 {a.stage2}"
+  # The state carries the inputs (so XLA cannot fold them, as in a model's step, where they
+  # are computed) and the attention output (a step that dropped it would let XLA remove the
+  # selection and the attention, and profile the append alone).
+  def one(s):
+    q, kn, _, cache = s
+    return (q, kn) + rocketkv.decode_step(q, kn, kn, cache, plan)
+
+  step = jax.jit(one, donate_argnums=0)
+  state = (q, kn, jnp.zeros((1, HQ, D), dt), cache)
+  return step, state, f"{a.dtype} context {a.context} budget {a.budget} stage2 {a.stage2}"
 
 
 def _model_step(a):
@@ -89,14 +97,15 @@ def _model_step(a):
   params = compute_params(model.params)
   tokens = jnp.zeros((a.batch,), jnp.int32)
 
-  def one(state):  # (cache, steps taken): the new token's position advances on device
-    cache, t = state
-    _, cache = llama.decode_step(params, cache, tokens, lengths + t, config=c, plan=plan)
-    return cache, t + 1
+  def one(state):  # (cache, steps taken, logits): the new token's position advances on device;
+    cache, t, _ = state  # the logits are carried so that XLA keeps the last layer and the head
+    logits, cache = llama.decode_step(params, cache, tokens, lengths + t, config=c, plan=plan)
+    return cache, t + 1, logits
 
   title = (f"{a.model} {a.dtype} {a.method}@{a.budget} context {a.context} x batch {a.batch}, "
            f"cache as {a.layout}")
-  return jax.jit(one, donate_argnums=0), (cache, jnp.int32(0)), title
+  logits = jnp.zeros((a.batch, model.params["embed"].shape[0]), jnp.float32)
+  return jax.jit(one, donate_argnums=0), (cache, jnp.int32(0), logits), title
 
 
 def main(argv=None):

@@ -33,9 +33,13 @@ def test_model_step_trace_on_a_tiny_checkpoint(layout):
 
 
 def test_attention_step_trace():
-  r = _run("--dtype", "float32", "--context", "2048", "--steps", "2", "--top", "3")
+  r = _run("--dtype", "float32", "--context", "2048", "--steps", "2", "--top", "60")
   assert r.returncode == 0, r.stderr
   assert r.stdout.startswith("float32 context 2048 budget 256 stage2 minmax: ")
+  # The traced step must still select: its top-k calls (the dims, then the chunks) are XLA:CPU
+  # custom calls. A step whose output is dropped compiles to the append alone.
+  ops = [ln.split()[-1] for ln in r.stdout.splitlines()[1:-1]]
+  assert sum(op.startswith("custom-call") for op in ops) == 2, r.stdout
 
 
 @pytest.mark.parametrize("args,message", [
