@@ -457,7 +457,7 @@ def _turn_attention(q, ck, cv, cvalid, tk, tv, tvalid):
 
 
 def turn_prefill(params: Params, caches, tokens: jnp.ndarray, turn_lengths: jnp.ndarray, *,
-                 config: ModelConfig, window: int):
+                 config: ModelConfig, window: int, return_logits: bool = False):
   """A later turn's prompt, run densely over per-layer `KVCache`s (multi-turn decoding).
 
   Every turn token attends to the valid slots of its layer's cache and, causally, to the turn
@@ -470,9 +470,12 @@ def turn_prefill(params: Params, caches, tokens: jnp.ndarray, turn_lengths: jnp.
     turn_lengths: `[B]` int32 valid turn tokens.
     config: static `ModelConfig`.
     window: static W: queries of the last W valid turn tokens are returned.
+    return_logits: static; also return the fp32 logits `[B, V]` at the last valid turn token
+      (the first greedy token is their argmax), for teacher-forcing a reference answer.
   Returns:
     (first greedy token `[B]`, k_turn, v_turn `[N, B, Hkv, T, D]`, q_window `[N, B, Hq, W, D]`),
-    ready for `rocketkv.extend` or `rocketkv.begin_turn`.
+    ready for `rocketkv.extend` or `rocketkv.begin_turn`; with `return_logits`, the logits
+    after them.
   """
   b, t = tokens.shape
   seen = caches[0].seen
@@ -495,5 +498,7 @@ def turn_prefill(params: Params, caches, tokens: jnp.ndarray, turn_lengths: jnp.
     vs.append(v)
     qws.append(jnp.take_along_axis(q, widx[:, None, :, None], axis=2))
   last = jnp.take_along_axis(x, (turn_lengths - 1)[:, None, None], axis=1)[:, 0]
-  first = jnp.argmax(unembed(params, config, last), axis=-1).astype(jnp.int32)
-  return first, jnp.stack(ks), jnp.stack(vs), jnp.stack(qws)
+  logits = unembed(params, config, last)
+  first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  out = (first, jnp.stack(ks), jnp.stack(vs), jnp.stack(qws))
+  return out + (logits,) if return_logits else out

@@ -103,6 +103,28 @@ def test_multiturn_scored_per_turn_and_full_matches_generate():
   assert by[("multiturn_t2", "full")]["tokens"] == ref.tokens[0]
   # Turn 1 of rocketkv and rocketkv_mt is the same computation (stage 1 from question 1).
   assert by[("multiturn_t1", "rocketkv")]["tokens"] == by[("multiturn_t1", "rocketkv_mt")]["tokens"]
+  assert (by[("multiturn_t1", "rocketkv")]["gold_logprob"]
+          == by[("multiturn_t1", "rocketkv_mt")]["gold_logprob"])
+  # The gold score per turn: for full KV, the log-softmax of a plain forward pass (float64 here)
+  # over the conversation so far + that turn's gold answer.
+  tok = model.tokenizer
+  for t, (ctx, answers) in enumerate([(tasks.chat_ids(tok, s.prompt), s.answers),
+                                      (conv, s.turn_answers[0])]):
+    g, mask = tasks.gold_ids(tok, tasks.Sample(**{**vars(s), "answers": list(answers)}), 5)
+    logits = np.asarray(model.logits(np.array([ctx + g], np.int32)), np.float64)[0]
+    logits = logits[len(ctx) - 1:len(ctx) - 1 + len(g)]
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    m = np.array(mask)
+    r = by[(f"multiturn_t{t + 1}", "full")]
+    assert r["gold_tokens"] == m.sum() > 0
+    np.testing.assert_allclose(r["gold_logprob"], logp[np.arange(len(g)), g][m].mean(), atol=1e-4)
+    assert r["gold_argmax"] == pytest.approx((logits.argmax(-1) == np.array(g))[m].mean())
+  # The sparse methods score the same tokens from their own, different caches.
+  for m in ("rocketkv", "rocketkv_mt"):
+    r = by[("multiturn_t2", m)]
+    assert r["gold_tokens"] == by[("multiturn_t2", "full")]["gold_tokens"]
+    assert np.isfinite(r["gold_logprob"]) and r["gold_logprob"] <= 0
 
 
 def test_multiturn_takes_stage2_variants():

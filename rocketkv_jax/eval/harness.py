@@ -34,7 +34,10 @@ pass is fed the sample's gold answer token by token through the method's own dec
 (`runner`, `teacher_forced.forced_logprobs`; the ids are `tasks.gold_ids`), and the record gets
 `gold_logprob` (mean log-prob per answer token, nats), `gold_argmax` (share of answer tokens
 that were the argmax) and `gold_tokens`. Exact match flips on near-ties; this score moves
-smoothly, so it separates methods with fewer prompts. Multi-turn records have no gold score.
+smoothly, so it separates methods with fewer prompts. Multi-turn records get it per turn: the
+turn's gold answer is forced from the state that turn decodes from (its prompt prefilled, the
+earlier turns' own generated answers in the cache, as for its exact match), in a program of
+its own before the turn's decode (`runner.continue_gold`; turn 1 as above).
 
 Records hold no timings, so the same seed and configuration give identical records; timings
 go to the separate "timing" section.
@@ -357,9 +360,13 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
       per_turn = method_obj.replan_per_turn  # rocketkv and rocketkv_mt: same split per turn
       plan = runner.plan(method, b, p, mn if per_turn else rest)
       plans[f"multiturn/{method}/{budget}/{p}+{plan.max_new_tokens}"] = _plan_dict(plan)
-      got, out, steps, cache = runner.decode(pp, method, b, mn, keep_cache=True,
-                                             max_new_for_plan=plan.max_new_tokens)
       answers = [s.answers] + list(s.turn_answers)
+      golds = [_turn_gold(tok, s, answers[t], mn) if cfg.gold_score else None
+               for t in range(turns)]
+      got, out, steps, cache = runner.decode(pp, method, b, mn, keep_cache=True,
+                                             max_new_for_plan=plan.max_new_tokens,
+                                             gold=golds[0][0] if golds[0] else None)
+      forced = runner.last_forced
       for t in range(turns):
         if t > 0:
           last = int(out[0, steps - 1])
@@ -372,14 +379,15 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
           tl = np.array([len(tids)], np.int32)
           states = layer_states(runner.model.params, cache)
           if mt:
-            first, kt, vt, qw = runner.turn_prefill([st.full for st in states], tt, tl)
+            first, kt, vt, qw, logits = runner.turn_prefill([st.full for st in states], tt, tl,
+                                                            return_logits=True)
             tplan = runner.plan(method, b, p + t * (tpad + mn), mn)
             plans[f"multiturn/{method}/{budget}/turn{t + 1}"] = _plan_dict(tplan)
             states = _begin_all(states, kt, vt, qw, jax.numpy.asarray(tl), plan=tplan)
             seen = states[0].full.seen
           else:
             states = [unwrap(st) for st in states]  # the KVCaches (stage-2 states rebuilt below)
-            first, kt, vt, qw = runner.turn_prefill(states, tt, tl)
+            first, kt, vt, qw, logits = runner.turn_prefill(states, tt, tl, return_logits=True)
             tplan = plan
             if per_turn:
               # rocketkv: no stage 1 again; the cache grows and the turn's split (top_k,
@@ -396,14 +404,27 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
             states = _extend_all(states, kt, vt, jax.numpy.asarray(tl))
             seen = states[0].seen
             states = _attach_all(states, plan=tplan, dense=tuple(method_obj.dense_layers(tplan)))
-          got, out, steps, cache = runner.continue_decode(
-              as_cache(runner.model.params, states), first, seen, tplan, mn)
+          tcache = as_cache(runner.model.params, states)
+          if golds[t]:  # from the state this turn decodes from, before the decode
+            forced = runner.continue_gold(tcache, logits, seen, tplan, golds[t][0])
+          got, out, steps, cache = runner.continue_decode(tcache, first, seen, tplan, mn)
         pred = tok.decode(got[0])
         records.append(_record(s, method, budget, got[0], pred,
                                tasks_lib.score("contains", pred, answers[t]), turn=t + 1,
                                task=f"multiturn_t{t + 1}") | dict(answers=list(answers[t])))
+        if golds[t]:
+          records[-1].update(gold_fields(forced[0][0], forced[1][0], golds[t][1]))
       timing["decode_s"] += time.perf_counter() - t0
       bar.update(1, f"multiturn {method}/{budget}")
+
+
+def _turn_gold(tok, sample, answers, limit: int):
+  """A multi-turn turn's teacher-forced gold: (ids `[1, limit]` int32, pad 0; the scored-token
+  mask), as `tasks.gold_ids` makes them for that turn's answers."""
+  g, mask = tasks_lib.gold_ids(tok, dataclasses.replace(sample, answers=list(answers)), limit)
+  ids = np.zeros((1, limit), np.int32)
+  ids[0, :len(g)] = g
+  return ids, mask
 
 
 def _config_dict(model, cfg: SweepConfig) -> dict:

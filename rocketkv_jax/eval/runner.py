@@ -257,7 +257,17 @@ def _continue_decode(params, cache, first, seen, eos, *, config, plan, max_new_t
   return out, steps, llama.unstack_cache(cache)
 
 
-_turn_prefill = jax.jit(llama.turn_prefill, static_argnames=("config", "window"))
+@functools.partial(jax.jit, static_argnames=("config", "plan"))
+def _continue_gold(params, cache, first_logits, seen, ids, *, config, plan):
+  """Teacher-forces `ids [B, G]` from an existing cache (multi-turn; the cache is not donated:
+  the turn's decode runs from it next): log-probs and is-argmax flags, each `[B, G]`."""
+  params, cache = compute_params(params), llama.stack_cache(cache, plan)
+  lp, am, _, _ = teacher_forced.forced_logprobs(params, cache, first_logits, ids, seen,
+                                                config=config, plan=plan)
+  return lp, am
+
+
+_turn_prefill = jax.jit(llama.turn_prefill, static_argnames=("config", "window", "return_logits"))
 
 
 # --------------------------------------------------------------------------- user API
@@ -447,6 +457,7 @@ class Runner:
     for fn in (_method_decode, _gold_scores, _method_decode_in_place, _gold_scores_in_place):
       fn.clear_cache()
     _continue_decode.clear_cache()
+    _continue_gold.clear_cache()
     _trim_host_memory()
 
   def continue_decode(self, cache, first, seen, plan, max_new_tokens: int):
@@ -458,11 +469,20 @@ class Runner:
     steps = int(steps)
     return self.strip(out, steps), out, steps, cache
 
-  def turn_prefill(self, caches: list, tokens: np.ndarray, turn_lengths: np.ndarray):
+  def continue_gold(self, cache, first_logits, seen, plan, gold) -> tuple:
+    """Teacher-forces `gold [B, G]` int32 from an existing cache (multi-turn), as `decode(gold=)`
+    does from a prompt pass: (log-probs, is-argmax), each `[B, G]` numpy. `first_logits`: the
+    `[B, V]` logits that predict gold[:, 0] (`turn_prefill(..., return_logits=True)`)."""
+    lp, am = _continue_gold(self.model.params, cache, first_logits, seen,
+                            jnp.asarray(gold, jnp.int32), config=self.config, plan=plan)
+    return np.asarray(lp), np.asarray(am)
+
+  def turn_prefill(self, caches: list, tokens: np.ndarray, turn_lengths: np.ndarray, *,
+                   return_logits: bool = False):
     """Dense pass of a later turn's tokens over per-layer `KVCache`s (see module doc)."""
     return _turn_prefill(self.model.params, list(caches), jnp.asarray(tokens, jnp.int32),
                          jnp.asarray(turn_lengths, jnp.int32), config=self.config,
-                         window=self.window_size)
+                         window=self.window_size, return_logits=return_logits)
 
 
 def layer_states(params, cache) -> list:
