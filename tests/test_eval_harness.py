@@ -222,3 +222,19 @@ def test_gold_score_equals_full_logits_and_score_continuations():
     r = by[("rocketkv", s.index)]
     np.testing.assert_allclose(r["gold_logprob"], lp[m].mean(), atol=1e-4)
     assert r["gold_logprob"] != by[("full", s.index)]["gold_logprob"]
+
+
+def test_runner_releases_its_programs_only_when_mappings_are_crowded(monkeypatch):
+  from rocketkv_jax.eval import runner as runner_mod
+
+  n, limit = runner_mod.memory_mappings()
+  assert 0 < n < limit  # Linux: this process's mappings and vm.max_map_count
+  runner = Runner(tiny_model())
+  runner.precompile([("rocketkv", 32)], 1, 48, 4)
+  assert runner._futures
+  monkeypatch.setattr(runner_mod, "memory_mappings", lambda: (30000, 65530))
+  assert not runner.release_if_crowded() and runner._futures
+  monkeypatch.setattr(runner_mod, "memory_mappings", lambda: (40000, 65530))
+  assert runner.release_if_crowded() and not runner._futures
+  monkeypatch.setattr(runner_mod, "memory_mappings", lambda: (0, 0))  # unknown: never
+  assert not runner.release_if_crowded()

@@ -416,6 +416,7 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
           records[-1].update(gold_fields(forced[0][0], forced[1][0], golds[t][1]))
       timing["decode_s"] += time.perf_counter() - t0
       bar.update(1, f"multiturn {method}/{budget}")
+    runner.release_if_crowded()
 
 
 def _turn_gold(tok, sample, answers, limit: int):

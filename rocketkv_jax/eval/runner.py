@@ -67,6 +67,19 @@ def _trim_host_memory() -> None:
     pass
 
 
+def memory_mappings() -> tuple[int, int]:
+  """(memory mappings this process holds, the per-process limit `vm.max_map_count`); (0, 0)
+  where /proc does not tell (not Linux)."""
+  try:
+    with open("/proc/self/maps") as f:
+      n = sum(1 for _ in f)
+    with open("/proc/sys/vm/max_map_count") as f:
+      limit = int(f.read())
+  except (OSError, ValueError):
+    return 0, 0
+  return n, limit
+
+
 # --------------------------------------------------------------------------- programs
 @dataclasses.dataclass
 class PromptPass:
@@ -459,6 +472,19 @@ class Runner:
     _continue_decode.clear_cache()
     _continue_gold.clear_cache()
     _trim_host_memory()
+
+  def release_if_crowded(self, fraction: float = 0.5) -> bool:
+    """`release_compiled` and every other jit cache (`jax.clear_caches`) once this process
+    holds more than `fraction` of its memory-mapping limit (`memory_mappings`); returns whether
+    it released. The multi-turn task calls it after each prompt: its (method, budget, turn)
+    programs stay within one (task, length) group, and a 2K run of five methods x three budgets
+    with gold scores ran out of mappings in LLVM ("Cannot allocate memory") after ~30 min."""
+    n, limit = memory_mappings()
+    if not limit or n <= fraction * limit:
+      return False
+    self.release_compiled()
+    jax.clear_caches()
+    return True
 
   def continue_decode(self, cache, first, seen, plan, max_new_tokens: int):
     """Greedy decode from an existing cache (multi-turn)."""
