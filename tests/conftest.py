@@ -4,13 +4,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 import rocketkv_jax  # noqa: E402,F401  (sets its XLA:CPU flag before any backend starts)
 
 jax.config.update("jax_default_matmul_precision", "highest")
-
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
