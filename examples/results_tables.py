@@ -6,6 +6,7 @@
     python examples/results_tables.py --compare full --budget 256 results/results.json
     python examples/results_tables.py results/results.json --compare full --budget 256 \
         --methods rocketkv snapkv
+    python examples/results_tables.py A.json --targets METHOD --budget 256 --with B.json ...
 
 `claims`: per (task, length), full KV vs RocketKV at B=256, and whether RocketKV is at or above
 every other compressed method (SnapKV, Quest, SparQ, StreamingLLM; the exact_topk oracle is
@@ -15,6 +16,12 @@ not counted) at B = 128 / 256 / 512 / 1024.
 REF, for the score and, where the records have it, the teacher-forced gold log-prob per token,
 with 95% paired-bootstrap intervals over the shared samples (`report.compare_markdown`), then a
 count per method of the cells whose interval lies below / above 0.
+
+`--targets METHOD --budget B`: issue #13's accuracy targets for one method, per (task, length)
+cell where full KV scores at least 20: the score within 2 points of full KV at 4K and longer
+and within 5 at 2K, the gold log-prob within 0.1 nats/token of full KV's at 4K and longer, and
+at or above each other compressed method the records hold (SnapKV, Quest, SparQ,
+StreamingLLM) -- each on the paired point estimate, the 95% interval printed beside it.
 """
 
 import argparse
@@ -96,6 +103,63 @@ def means(res) -> str:
   return "\n".join(lines)
 
 
+def _diff(d, fmt="{:+.1f}") -> str:
+  return f"{fmt.format(d[0])} [{fmt.format(d[1])}, {fmt.format(d[2])}]"
+
+
+def targets(res, method: str, budget: int) -> str:
+  """Issue #13's targets for `method` at `budget`, per (task, length) cell (module doc)."""
+  present = report.order_methods(r["method"] for r in res["records"])
+  others = [m for m in OTHERS if m in present]
+  vs_full = report.compare(res, "full", [method], budget)
+  vs_other = {(r["task"], r["context_len"], m): r for m in others
+              for r in report.compare(res, m, [method], budget)}
+  agg = report.aggregate(res["records"])
+  lines = [f"| task | length | n | full | exact_topk | {method} | vs full | within "
+           "2 (4K+) / 5 (2K) | gold vs full | gold within 0.1 (4K+) | lowest vs "
+           f"{' / '.join(others) or 'others'} |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+  met = collections.Counter()
+  cells = collections.Counter()
+  skipped = []
+  for r in vs_full:
+    task, length = r["task"], r["context_len"]
+    label = f"{length // 1024}K"
+    if r["ref"] < 20:
+      skipped.append(f"{task} {label}")
+      continue
+    tol = 2.0 if length >= 4096 else 5.0
+    near = r["diff"][0] >= -tol
+    cells["near"] += 1
+    met["near"] += near
+    gold = gold_ok = ""
+    if r["logprob_diff"] is not None:
+      gold = _diff(r["logprob_diff"], "{:+.3f}")
+      if length >= 4096:
+        ok = r["logprob_diff"][0] >= -0.1
+        cells["gold"] += 1
+        met["gold"] += ok
+        gold_ok = "yes" if ok else "no"
+    worst = [(vs_other[(task, length, m)]["diff"], m) for m in others
+             if (task, length, m) in vs_other]
+    above = ""
+    if worst:
+      d, m = min(worst)
+      cells["above"] += 1
+      met["above"] += d[0] >= 0
+      above = f"{m} {_diff(d)}"
+    exact = agg.get((task, length, "exact_topk", budget))
+    lines.append(f"| {task} | {label} | {r['n']} | {r['ref']:.1f} | "
+                 f"{'-' if exact is None else f'{exact[0]:.1f}'} | {r['score']:.1f} | "
+                 f"{_diff(r['diff'])} | {'yes' if near else 'no'} | {gold} | {gold_ok} | "
+                 f"{above} |")
+  lines += ["", f"{method} at B={budget}: within 2 / 5 points of full KV in {met['near']} of "
+            f"{cells['near']} cells; gold log-prob within 0.1 of full KV in {met['gold']} of "
+            f"{cells['gold']} cells at 4K and longer; at or above every other compressed method "
+            f"in {met['above']} of {cells['above']} cells"
+            + (f"; left out (full KV below 20): {', '.join(skipped)}" if skipped else "") + "."]
+  return "\n".join(lines)
+
+
 TABLES = {"per-length": per_length, "claims": claims, "means": means}
 
 
@@ -116,23 +180,31 @@ def main(argv=None):
                  help="the table to print (or --compare)")
   p.add_argument("--compare", metavar="METHOD", default=None,
                  help="reference method (e.g. full): paired differences of the others to it")
-  p.add_argument("--budget", type=int, default=None, help="with --compare: the token budget")
+  p.add_argument("--targets", metavar="METHOD", default=None,
+                 help="issue #13's targets for METHOD against full KV (needs --budget)")
+  p.add_argument("--budget", type=int, default=None,
+                 help="with --compare / --targets: the token budget")
   p.add_argument("--methods", nargs="+", default=None,
                  help="with --compare: the methods to compare (default: every other one)")
   p.add_argument("--with", dest="others", nargs="+", default=[], metavar="JSON",
-                 help="with --compare: later runs of the same cells (same seed and samples) whose "
+                 help="with --compare / --targets: later runs of the same cells (same seed and samples) whose "
                       "other methods join the comparison; records both runs hold must be identical")
   a = p.parse_args(argv)
   try:
-    if (a.table is None) == (a.compare is None):
-      raise ValueError(f"give one of a table ({', '.join(TABLES)}) or --compare METHOD")
-    if a.compare is None and (a.budget is not None or a.methods is not None or a.others):
-      raise ValueError("--budget, --methods and --with go with --compare")
+    if (a.table is not None) + (a.compare is not None) + (a.targets is not None) != 1:
+      raise ValueError(f"give one of a table ({', '.join(TABLES)}), --compare METHOD or "
+                       "--targets METHOD")
+    if a.table is not None and (a.budget is not None or a.methods is not None or a.others):
+      raise ValueError("--budget, --methods and --with go with --compare or --targets")
+    if a.targets is not None and (a.budget is None or a.methods is not None):
+      raise ValueError("--targets needs --budget and takes no --methods")
     res = _load(a.results)
     if a.others:
       res = report.pool(res, [_load(path) for path in a.others])
     if a.compare is not None:
       out = report.compare_markdown(res, a.compare, a.methods, a.budget)
+    elif a.targets is not None:
+      out = targets(res, a.targets, a.budget)
     else:
       out = TABLES[a.table](res)
   except ValueError as e:
