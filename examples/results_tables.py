@@ -109,7 +109,7 @@ def _diff(d, fmt="{:+.1f}") -> str:
 
 def targets(res, method: str, budget: int) -> str:
   """Issue #13's targets for `method` at `budget`, per (task, length) cell (module doc)."""
-  present = report.order_methods(r["method"] for r in res["records"])
+  present = {r["method"] for r in res["records"]}
   others = [m for m in OTHERS if m in present]
   vs_full = report.compare(res, "full", [method], budget)
   vs_other = {(r["task"], r["context_len"], m): r for m in others
@@ -187,8 +187,9 @@ def main(argv=None):
   p.add_argument("--methods", nargs="+", default=None,
                  help="with --compare: the methods to compare (default: every other one)")
   p.add_argument("--with", dest="others", nargs="+", default=[], metavar="JSON",
-                 help="with --compare / --targets: later runs of the same cells (same seed and samples) whose "
-                      "other methods join the comparison; records both runs hold must be identical")
+                 help="with --compare / --targets: later runs of the same cells (same seed and "
+                      "samples) whose other methods join the comparison; records both runs hold "
+                      "must be identical")
   a = p.parse_args(argv)
   try:
     if (a.table is not None) + (a.compare is not None) + (a.targets is not None) != 1:
