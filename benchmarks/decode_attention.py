@@ -185,7 +185,8 @@ def stage2_read_bytes(plan, itemsize: int, num_kv_heads: int = HKV) -> int:
     lowrank: NP * (R + 1) * D basis values (mean + R directions per page) + NP * P * R
              coefficients + W * D keys of the exactly scored decode window (W = max_new_tokens,
              read whole: the XLA step has a static shape) + top_k K and V rows;
-    quant:   r rows of C * bits / 8 packed code bytes + r fp32 grid steps + top_k K and V rows.
+    quant:   r rows of C * bits / 8 packed code bytes + r fp32 grid steps + top_k K and V rows
+             (+ D fp32 values of the running value sum with `mean_value`).
   """
   d, c = plan.head_dim, plan.capacity
   rows = 2 * min(plan.top_k, c) * d
@@ -195,7 +196,7 @@ def stage2_read_bytes(plan, itemsize: int, num_kv_heads: int = HKV) -> int:
     npg = max(1, -(-(c - w) // p))
     n = npg * (r + 1) * d + npg * p * r + w * d + rows
   elif plan.stage2 == "quant":  # codes are bytes, not cache items: counted apart below
-    code_bytes = plan.r * (-(-c * plan.quant_bits // 8)) + plan.r * 4
+    code_bytes = plan.r * (-(-c * plan.quant_bits // 8)) + plan.r * 4 + plan.mean_value * d * 4
     return (rows * itemsize + code_bytes) * num_kv_heads
   elif plan.stage2 == "rerank":
     n = plan.num_chunks * plan.r + (min(plan.rerank_candidates, c) + min(plan.top_k, c)) * d
@@ -204,15 +205,18 @@ def stage2_read_bytes(plan, itemsize: int, num_kv_heads: int = HKV) -> int:
   return n * num_kv_heads * itemsize
 
 
-# `--stage2` names: RocketConfig.stage2's values, and "quant_equal_read" for stage2="quant" with
-# quant_capacity="equal_read" (stage 1 keeps the slots the codes' saved bytes pay for).
-STAGE2_CHOICES = list(rocketkv.STAGE2) + ["quant_equal_read"]
+# `--stage2` names: RocketConfig.stage2's values, "quant_equal_read" for stage2="quant" with
+# quant_capacity="equal_read" (stage 1 keeps the slots the codes' saved bytes pay for), and
+# "quant_equal_read_mean" with mean_value=True as well (SparQ's mean-value fill).
+QUANT_NAMED = {"quant_equal_read": dict(quant_capacity="equal_read"),
+               "quant_equal_read_mean": dict(quant_capacity="equal_read", mean_value=True)}
+STAGE2_CHOICES = list(rocketkv.STAGE2) + list(QUANT_NAMED)
 
 
 def stage2_config(budget: int, name: str) -> rocketkv.RocketConfig:
   """The RocketConfig of a `--stage2` name (`STAGE2_CHOICES`) at `budget`."""
-  if name == "quant_equal_read":
-    return rocketkv.RocketConfig(token_budget=budget, stage2="quant", quant_capacity="equal_read")
+  if name in QUANT_NAMED:
+    return rocketkv.RocketConfig(token_budget=budget, stage2="quant", **QUANT_NAMED[name])
   return rocketkv.RocketConfig(token_budget=budget, stage2=name)
 
 
@@ -271,7 +275,8 @@ def main_stage2(args):
           extra = {"minmax": "-", "rerank": f"M={min(p.rerank_candidates, p.capacity)}",
                    "lowrank": f"P={p.lowrank_page_size} R={p.lowrank_rank}",
                    "quant": f"bits={p.quant_bits}",
-                   "quant_equal_read": f"bits={p.quant_bits}, equal read"}[s2]
+                   "quant_equal_read": f"bits={p.quant_bits}, equal read",
+                   "quant_equal_read_mean": f"bits={p.quant_bits}, equal read, mean value"}[s2]
           print(f"| {dtype.name} | {ctx // 1024}K | {b} | {s2} | {p.capacity} / {p.chunk_size} / "
                 f"{p.r} / {p.top_k} | {extra} | {t * 1e3:.3f} | {t / t0:.2f}x | "
                 f"{ct * 1e3:.3f} | {ct / c0:.2f}x | {nb / 1024:.1f} | {nb / b0:.3f}x | "

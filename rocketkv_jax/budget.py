@@ -54,6 +54,8 @@ class Plan:
       otherwise); capped at the cache capacity when selecting.
     lowrank_page_size, lowrank_rank: P and R for "lowrank" (0 otherwise).
     quant_bits: bits per key code for "quant" (0 otherwise).
+    mean_value: "quant" fills the unread slots' weight with the mean value
+      (`RocketConfig.mean_value`; False otherwise).
     skip_layers: the first layers that keep their whole cache and attend densely (rocketkv,
       rocketkv_mt: `RocketConfig.skip_layers`; 0 otherwise).
   """
@@ -77,6 +79,7 @@ class Plan:
   lowrank_page_size: int = 0
   lowrank_rank: int = 0
   quant_bits: int = 0
+  mean_value: bool = False
   skip_layers: int = 0
 
   @property

@@ -46,6 +46,10 @@ class RocketConfig:
     quant_capacity: the capacity of "quant": "paper" (the paper's split) or "equal_read" (stage 1
       keeps as many slots as make the codes' read per step equal the paper's bounds' read at
       this budget, `stage2_quant.equal_read_capacity`; the same top_k and r).
+    mean_value: "quant" only: SparQ's mean-value fill. Each step's output is `alpha *
+      attention over top_k + (1 - alpha) * mean value of the kept slots`, alpha the mass the
+      codes' softmax puts on the slots read (stage2_quant.py). False (the paper): the top_k
+      rows are renormalised as if the unread slots had no weight.
     skip_layers: the first `skip_layers` layers keep their whole cache (no stage-1 eviction) and
       attend densely at every decode step, for the methods that accept it
       (`Method.accepts_skip_layers`: rocketkv, rocketkv_mt; others reject a value other than 0).
@@ -75,6 +79,7 @@ class RocketConfig:
   lowrank_rank: int = 8
   quant_bits: int = 4
   quant_capacity: str = "paper"
+  mean_value: bool = False
   skip_layers: int = 0
 
   def __post_init__(self):
@@ -96,6 +101,10 @@ class RocketConfig:
       require(self.capacity is None and self.prompt_budget is None,
               "quant_capacity='equal_read' sets the capacity: leave capacity and "
               "prompt_budget unset")
+    require(isinstance(self.mean_value, bool),
+            f"mean_value must be True or False, got {self.mean_value!r}")
+    require(not self.mean_value or self.stage2 == "quant",
+            f"mean_value=True needs stage2='quant', got {self.stage2!r}")
     require_int("skip_layers", self.skip_layers, 0)
     require(self.skip_layers == 0 or method.accepts_skip_layers,
             f"skip_layers={self.skip_layers} needs method in "

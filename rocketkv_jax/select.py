@@ -34,9 +34,14 @@ def _chunk_valid(length: jax.Array, num_chunks: int, chunk_size: int) -> jax.Arr
 
 def _group_softmax_sum(logits: jax.Array, chunk_ok: jax.Array) -> jax.Array:
   """[B, Hkv, G, NC] logits -> [B, Hkv, NC] softmax over chunks, summed over the group."""
-  p = masked_softmax(logits, chunk_ok[:, :, None, :])
-  # The group sum as G elementwise adds (one loop fusion): XLA:CPU hands a reduce over this
-  # short axis to a library call that costs more than all of the rest of the softmax.
+  return group_sum(masked_softmax(logits, chunk_ok[:, :, None, :]))
+
+
+def group_sum(p: jax.Array) -> jax.Array:
+  """[B, Hkv, G, N] -> [B, Hkv, N], the sum over the group.
+
+  As G elementwise adds (one loop fusion): XLA:CPU hands a reduce over this short axis to a
+  library call that costs more than all of the rest of the softmax."""
   return functools.reduce(jnp.add, [p[:, :, i] for i in range(p.shape[2])])
 
 

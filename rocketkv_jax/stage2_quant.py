@@ -36,6 +36,15 @@ Decisions (README, "Stage-2 variants"):
   softmax over slots, the group sum and `top_k` stay in XLA, as for the chunk scores.
 - `append` re-codes the byte that holds the new slot from the cache's updated keys (empty slots
   code 0), without reading the old codes, so XLA updates them in place (as the bounds).
+- Mean-value fill (`RocketConfig.mean_value`, SparQ's "mean value reallocation", Ribar et al.
+  2023, Alg. 1): exact attention over the top_k slots renormalises their weights to 1, as if the
+  unread slots had none. With it, each query head's output is `alpha * attend(top_k) + (1 -
+  alpha) * v_mean`, alpha the mass the codes' softmax (per query head, over the valid slots)
+  puts on the slots read, v_mean the mean value of every kept slot. The codes score every slot
+  on its own key, so alpha is a per-token estimate (the chunk bounds give every slot of a chunk
+  one score). v_mean comes from a running sum (`QuantState.v_sum`, built at prefill, updated by
+  `append_codes`): D floats per KV head, never a pass over V. With a sliding window alpha
+  counts the slots inside it, v_mean every kept slot.
 - Capacity (`RocketConfig.quant_capacity`): "paper" keeps the paper's split. "equal_read"
   (`equal_read_capacity`) spends the bytes the codes save on stage 1: it keeps as many slots as
   make the codes' read equal to the paper's bounds' read at the same budget (16-bit bounds, the
@@ -53,8 +62,9 @@ from rocketkv_jax import _impl
 from rocketkv_jax._checks import require
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, _write_rows, valid_slots
-from rocketkv_jax.ops import bound_rows_and_query, group_queries
-from rocketkv_jax.select import _group_softmax_sum, check_query, top_scored_slots
+from rocketkv_jax.attend import attend
+from rocketkv_jax.ops import bound_rows_and_query, group_queries, masked_softmax
+from rocketkv_jax.select import check_query, group_sum, top_scored_slots
 
 BITS = (1, 2, 4, 8)
 CAPACITY = ("paper", "equal_read")
@@ -70,6 +80,8 @@ class QuantState:
     codes: [B, Hkv, D, ceil(C / per)] uint8 packed codes, dim-major (module doc).
     lo: [B, Hkv, D] float32 per-channel grid origin.
     step: [B, Hkv, D] float32 per-channel grid step (> 0).
+    v_sum: [B, Hkv, D] float32 sum of the valid slots' values (`RocketConfig.mean_value`), or
+      None where the plan does not fill with the mean value.
     bits: static bits per code (one of `BITS`).
   """
 
@@ -77,6 +89,7 @@ class QuantState:
   codes: jax.Array
   lo: jax.Array
   step: jax.Array
+  v_sum: jax.Array | None = None
   bits: int = struct.field(pytree_node=False, default=4)
 
   @property
@@ -159,7 +172,11 @@ def build(cache: KVCache, plan: Plan) -> QuantState:
   codes = _coded(cache.k, valid, lo, step, bits)
   pad = -c % per
   codes = jnp.pad(codes, ((0, 0), (0, 0), (0, pad), (0, 0)))
-  return QuantState(cache=cache, codes=pack(codes, bits), lo=lo, step=step, bits=bits)
+  v_sum = None
+  if plan.mean_value:
+    v_sum = jnp.sum(jnp.where(valid[..., None], cache.v.astype(jnp.float32), 0.0), axis=2)
+  return QuantState(cache=cache, codes=pack(codes, bits), lo=lo, step=step, v_sum=v_sum,
+                    bits=bits)
 
 
 def append_codes(state: QuantState, new: KVCache) -> QuantState:
@@ -176,7 +193,15 @@ def append_codes(state: QuantState, new: KVCache) -> QuantState:
   ok = ((group <= slot[:, None]) & (group < c))[:, None, :]
   col = pack(_coded(rows, jnp.broadcast_to(ok, rows.shape[:3]), state.lo, state.step, bits),
              bits)[..., 0]  # [B, Hkv, D]
-  return state.replace(cache=new, codes=_write_rows(state.codes, col, byte, axis=3))
+  v_sum = state.v_sum
+  if v_sum is not None:  # + the new row; a full sequence's append replaced its last row
+    at = slot[:, None, None, None]
+    gone = jnp.take_along_axis(state.cache.v, at, axis=2)[:, :, 0].astype(jnp.float32)
+    came = jnp.take_along_axis(new.v, at, axis=2)[:, :, 0].astype(jnp.float32)
+    full = (state.cache.length >= c)[:, None, None]
+    v_sum = v_sum + came - jnp.where(full, gone, 0.0)
+  return state.replace(cache=new, codes=_write_rows(state.codes, col, byte, axis=3),
+                       v_sum=v_sum)
 
 
 def coded_query(qg: jax.Array, step: jax.Array, r: int) -> tuple[jax.Array, jax.Array]:
@@ -231,6 +256,12 @@ def select_quant(q: jax.Array, state: QuantState, plan: Plan, *,
     int32 [B, Hkv, min(top_k, C)], no slot twice; when fewer slots are valid, every valid slot
     and distinct invalid slots (>= C, which `attend` masks).
   """
+  return _select(q, state, plan, sliding_window, impl)[0]
+
+
+def _select(q, state, plan, sliding_window, impl):
+  """(slots [B, Hkv, K] as `select_quant`, per-head softmax [B, Hkv, G, C] over the valid
+  slots)."""
   require(isinstance(state, QuantState),
           f"a 'quant' plan needs a QuantState (from rocketkv.prefill), got {type(state)}")
   cache = state.cache
@@ -238,5 +269,27 @@ def select_quant(q: jax.Array, state: QuantState, plan: Plan, *,
   c = cache.capacity
   k = min(plan.top_k, c)
   valid = valid_slots(cache, sliding_window)  # [B, Hkv, C]
-  scores = _group_softmax_sum(slot_logits(q, state, plan.r, impl=impl), valid)
-  return top_scored_slots(scores, valid, k, c)
+  p = masked_softmax(slot_logits(q, state, plan.r, impl=impl), valid[:, :, None, :])
+  return top_scored_slots(group_sum(p), valid, k, c), p
+
+
+def decode_attend(q: jax.Array, state: QuantState, plan: Plan, *,
+                  sliding_window: int | None = None, impl: str = "auto") -> jax.Array:
+  """One step's attention over a quant state (after its append): exact attention over the
+  `top_k` slots the codes pick and, with `plan.mean_value`, the mean-value fill (module doc).
+
+  Returns:
+    [B, Hq, D] in q's dtype.
+  """
+  idx, p = _select(q, state, plan, sliding_window, impl)
+  out = attend(q, state.cache, idx, sliding_window=sliding_window, impl=impl)
+  if not plan.mean_value:
+    return out
+  require(state.v_sum is not None, "a mean_value plan needs the QuantState its prefill built")
+  b, hkv, g, c = p.shape
+  picked = jnp.take_along_axis(p, jnp.minimum(idx, c - 1)[:, :, None, :], axis=-1)
+  alpha = jnp.sum(jnp.where((idx < c)[:, :, None, :], picked, 0.0), axis=-1)  # [B, Hkv, G]
+  v_mean = state.v_sum / jnp.maximum(state.cache.length, 1)[:, None, None].astype(jnp.float32)
+  alpha = alpha.reshape(b, hkv * g, 1)
+  v_mean = jnp.repeat(v_mean, g, axis=1)  # [B, Hq, D], query head h -> KV head h // G
+  return (alpha * out.astype(jnp.float32) + (1.0 - alpha) * v_mean).astype(out.dtype)

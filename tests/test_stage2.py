@@ -104,27 +104,36 @@ def ref_lowrank_select(q, k, valid, n_prompt, page, rank, top_k):
   return sel, scores
 
 
-def ref_quant_select(q, k, valid, n_prompt, r, bits, top_k):
+def ref_quant_probs(q, k, valid, n_prompt, r, bits):
   """One sequence: per KV head and dim an affine grid over the prompt keys (slots < n_prompt),
   every slot's key rounded to it (clipped), then SparQ's r-dim score of the rounded keys:
-  softmax per query head over the valid slots of q_r . k~_r / sqrt(D * sum|q_r| / sum|q|),
-  summed over the group, top_k. Returns (selected sets, scores [Hkv, C])."""
+  softmax per query head over the valid slots of q_r . k~_r / sqrt(D * sum|q_r| / sum|q|).
+  Returns [Hq, C] (0 where not valid)."""
   q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
   hkv, c, d = k.shape
   levels = 2 ** bits - 1
-  scores = np.full((hkv, c), -np.inf)
-  sel = []
+  probs = np.zeros((hkv * G, c))
   for h in range(hkv):
     lo, hi = k[h, :n_prompt].min(0), k[h, :n_prompt].max(0)
     step = np.where(hi > lo, (hi - lo) / levels, 1.0)
     kq = lo + step * np.clip(np.round((k[h] - lo) / step), 0, levels)  # [C, D]
     qg = q[h * G:(h + 1) * G]
     dims = np.argsort(-np.abs(qg).sum(0), kind="stable")[:r]
-    tot = np.zeros(c)
     for i in range(G):
       scale = math.sqrt(d * np.abs(qg[i, dims]).sum() / np.abs(qg[i]).sum())
-      tot += ref.softmax(np.where(valid[h], kq[:, dims] @ qg[i, dims] / scale, -np.inf))
-    scores[h] = np.where(valid[h], tot, -np.inf)
+      probs[h * G + i] = np.nan_to_num(
+          ref.softmax(np.where(valid[h], kq[:, dims] @ qg[i, dims] / scale, -np.inf)))
+  return probs
+
+
+def ref_quant_select(q, k, valid, n_prompt, r, bits, top_k):
+  """`ref_quant_probs` summed over the group, top_k. Returns (selected sets, scores [Hkv, C])."""
+  probs = ref_quant_probs(q, k, valid, n_prompt, r, bits)
+  hkv, c = valid.shape
+  scores = np.full((hkv, c), -np.inf)
+  sel = []
+  for h in range(hkv):
+    scores[h] = np.where(valid[h], probs[h * G:(h + 1) * G].sum(0), -np.inf)
     sel.append(set(np.argsort(-scores[h], kind="stable")[:min(top_k, valid[h].sum())].tolist()))
   return sel, scores
 
@@ -187,6 +196,13 @@ def test_stage2_config_plan_and_errors():
   assert (qt.stage2, qt.chunk_size, qt.quant_bits) == ("quant", 0, 2)
   assert (qt.capacity, qt.top_k, qt.r) == (base.capacity, base.top_k, base.r)
   assert base.quant_bits == 0
+  mv = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, stage2="quant", mean_value=True),
+                     1000, 10, 64)
+  assert mv.mean_value and not qt.mean_value and (mv.capacity, mv.top_k) == (qt.capacity, 32)
+  with pytest.raises(ValueError, match=r"mean_value=True needs stage2='quant', got 'minmax'"):
+    rocketkv.RocketConfig(token_budget=64, mean_value=True)
+  with pytest.raises(ValueError, match=r"mean_value must be True or False, got 1"):
+    rocketkv.RocketConfig(token_budget=64, stage2="quant", mean_value=1)
   with pytest.raises(ValueError, match=r"quant_bits must be one of \[1, 2, 4, 8\], got 3"):
     rocketkv.RocketConfig(token_budget=64, stage2="quant", quant_bits=3)
   with pytest.raises(ValueError,
@@ -257,6 +273,11 @@ def test_variant_specs():
   assert (cfg.stage2, cfg.quant_capacity) == ("quant", "equal_read")
   with pytest.raises(ValueError, match=r"quant_capacity='x' in .* must be one of \['paper'"):
     variants.parse("rocketkv:stage2=quant,quant_capacity=x")
+  cfg = variants.rocket_config("rocketkv_mt:stage2=quant,mean_value=1", 256)
+  assert (cfg.method, cfg.mean_value) == ("rocketkv_mt", True)
+  assert not variants.rocket_config("rocketkv:stage2=quant,mean_value=0", 256).mean_value
+  with pytest.raises(ValueError, match=r"mean_value='2' in .* must be 0 or 1"):
+    variants.parse("rocketkv:stage2=quant,mean_value=2")
 
 
 def test_minmax_unchanged():
@@ -476,18 +497,25 @@ def _ref_decode(stage2, plan, k, v, q, n, steps, sliding_window=None):
     else:
       sel, _ = ref_lowrank_select(q[:, p], kk, valid, n, plan.lowrank_page_size,
                                   plan.lowrank_rank, plan.top_k)
-    out.append(ref.attention(q[:, p], kk, vv, [sorted(s) for s in sel]))
+    att = ref.attention(q[:, p], kk, vv, [sorted(s) for s in sel])
+    if plan.mean_value:  # SparQ's fill: alpha = the codes' mass on the slots read, per q head
+      probs = ref_quant_probs(q[:, p], kk, valid, n, plan.r, plan.quant_bits)
+      alpha = np.array([probs[h, sorted(sel[h // G])].sum() for h in range(HQ)])[:, None]
+      v_mean = np.repeat(np.asarray(vv, np.float64).mean(1), G, axis=0)  # every kept slot
+      att = alpha * att + (1 - alpha) * v_mean
+    out.append(att)
   return np.stack(out)
 
 
-@pytest.mark.parametrize("stage2,window,bits", [("rerank", None, 4), ("lowrank", None, 4),
-                                                ("lowrank", 40, 4), ("rerank", 40, 4),
-                                                ("quant", None, 4), ("quant", 40, 2),
-                                                ("quant", None, 8)])
-def test_decode_steps_match_reference(stage2, window, bits):
+@pytest.mark.parametrize("stage2,window,bits,mean_value", [
+    ("rerank", None, 4, False), ("lowrank", None, 4, False), ("lowrank", 40, 4, False),
+    ("rerank", 40, 4, False), ("quant", None, 4, False), ("quant", 40, 2, False),
+    ("quant", None, 8, False), ("quant", None, 4, True), ("quant", 40, 4, True)])
+def test_decode_steps_match_reference(stage2, window, bits, mean_value):
   """Ragged batch, GQA, `steps` decode steps, vs the reference of each sequence; and the batch
   gives each sequence what it gets alone. (quant: the decode tokens, scaled up, fall partly
-  outside the prompt's grid; 5 steps fill an odd capacity, 77, so the last byte is partial.)"""
+  outside the prompt's grid; 5 steps fill an odd capacity, 77, so the last byte is partial;
+  mean_value: SparQ's fill, alpha per query head, the mean over every kept slot.)"""
   l, steps = 72, 5
   lengths = [72, 53]
   rng = np.random.default_rng(40)
@@ -499,7 +527,7 @@ def test_decode_steps_match_reference(stage2, window, bits):
     k[b, :, n:] *= 1.5
   cfg = rocketkv.RocketConfig(token_budget=24, window_size=4, prompt_budget=l, chunk_size=3,
                               r=6, stage2=stage2, lowrank_page_size=16, lowrank_rank=4,
-                              quant_bits=bits)
+                              quant_bits=bits, mean_value=mean_value)
   plan = rocketkv.plan(cfg, l, steps, D)
   assert plan.top_k == 12 and plan.prompt_budget == l and plan.capacity == l + steps
   got, state = _decode(plan, k, v, q, lengths, l, steps, window)
@@ -511,17 +539,42 @@ def test_decode_steps_match_reference(stage2, window, bits):
   np.testing.assert_allclose(alone[0], got[1], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("stage2", ["lowrank", "quant"])
-def test_multi_turn_keeps_its_summaries(stage2):
+def test_mean_value_sum_follows_appends_and_overflow():
+  """`QuantState.v_sum` is the sum of the valid slots' values after every append, also once a
+  full sequence's appends replace its last slot (sequence 1 overflows, sequence 0 does not)."""
+  l, steps = 40, 6
+  lengths = [30, 40]
+  rng = np.random.default_rng(7)
+  k = rng.standard_normal((2, HKV, l + steps, D)).astype(np.float32)
+  v = rng.standard_normal((2, HKV, l + steps, D)).astype(np.float32)
+  q = rng.standard_normal((2, HQ, l + steps, D)).astype(np.float32)
+  cfg = rocketkv.RocketConfig(token_budget=16, window_size=4, prompt_budget=l, stage2="quant",
+                              mean_value=True)
+  plan = rocketkv.plan(cfg, l, 2, D)  # room for 2 new tokens: sequence 1 overflows at step 3
+  _, state = _decode(plan, k, v, q, lengths, l, steps)
+  assert np.asarray(rocketkv.cache_overflow(state)).tolist() == [False, True]
+  cache = state.cache
+  n = np.asarray(cache.length)
+  want = [np.asarray(cache.v, np.float64)[b, :, :n[b]].sum(1) for b in range(2)]
+  np.testing.assert_allclose(np.asarray(state.v_sum), np.stack(want), rtol=1e-5, atol=1e-5)
+  assert n.tolist() == [36, 42]
+  # the last slot of the full sequence holds the newest token's value
+  np.testing.assert_array_equal(np.asarray(cache.v)[1, :, 41], v[1, :, 45])
+
+
+@pytest.mark.parametrize("stage2,mean_value", [("lowrank", False), ("quant", False),
+                                               ("quant", True)])
+def test_multi_turn_keeps_its_summaries(stage2, mean_value):
   """rocketkv_mt + lowrank / quant: prefill and begin_turn both give the variant's state as the
-  view, built on the re-evicted cache; decoding over it keeps every valid slot when top_k >= C."""
+  view, built on the re-evicted cache; decoding over it keeps every valid slot when top_k >= C
+  (with the mean-value fill: alpha = 1, and the value sum is the new view's)."""
   l, t2, steps = 40, 12, 3
   rng = np.random.default_rng(50)
   k = rng.standard_normal((1, HKV, l + t2 + 2 * steps, D)).astype(np.float32)
   q = rng.standard_normal((1, HQ, l + t2 + 2 * steps, D)).astype(np.float32)
   cfg = rocketkv.RocketConfig(token_budget=512, window_size=4, method="rocketkv_mt",
                               prompt_budget=1000, stage2=stage2, lowrank_page_size=8,
-                              lowrank_rank=2)
+                              lowrank_rank=2, mean_value=mean_value)
   plan = rocketkv.plan(cfg, l, steps, D)
   state = rocketkv.prefill(jnp.asarray(k[:, :, :l]), jnp.asarray(k[:, :, :l]),
                            jnp.asarray(q[:, :, l - 4:l]), plan)
@@ -536,6 +589,9 @@ def test_multi_turn_keeps_its_summaries(stage2):
   state = rocketkv.begin_turn(state, jnp.asarray(k[:, :, s:s + t2]), jnp.asarray(k[:, :, s:s + t2]),
                               jnp.asarray(q[:, :, s + t2 - 4:s + t2]), plan2)
   assert type(state.view) is state_type(plan2) and n_view(state.view) == s + t2
+  if mean_value:
+    np.testing.assert_allclose(np.asarray(state.view.v_sum[0]), k[0, :, :s + t2].sum(1),
+                               rtol=1e-5, atol=1e-4)
   p = s + t2
   kn = jnp.asarray(k[:, :, p:p + 1])
   out, state = _STEP(jnp.asarray(q[:, :, p]), kn, kn, state, plan2)

@@ -10,11 +10,12 @@ A method spec is a name from `rocketkv.METHODS`, optionally followed by `:` and 
     rocketkv:stage2=lowrank,lowrank_rank=4   page-local low-rank key summaries (RocketConfig)
     rocketkv:stage2=quant,quant_bits=4      per-token 4-bit key codes (RocketConfig)
     rocketkv:stage2=quant,quant_capacity=equal_read   the codes' saved bytes spent on stage 1
+    rocketkv:stage2=quant,mean_value=1      SparQ's mean-value fill for the unread slots
     rocketkv:skip_layers=2          layers 0 and 1 keep their whole cache and attend densely
     snapkv:window_size=16
 
 Values are integers, floats (`alpha`, `rerank_factor`), names (`stage2`: one of
-`rocketkv.STAGE2`; `quant_capacity`: one of `stage2_quant.CAPACITY`), or `B` for the sweep's token budget (so one spec works
+`rocketkv.STAGE2`; `quant_capacity`: one of `stage2_quant.CAPACITY`), 0 / 1 (`mean_value`), or `B` for the sweep's token budget (so one spec works
 at every budget). The spec string is the method's name everywhere in the results (records,
 tables, plots), so a variant sits next to the methods it is compared with. The sweep's
 defaults use no overrides: variants exist to find out *why* a method scores what it scores,
@@ -30,8 +31,9 @@ from rocketkv_jax.stage2_quant import CAPACITY
 OVERRIDABLE = ("alpha", "capacity", "prompt_budget", "top_k", "chunk_size", "r", "window_size",
                "kernel_size", "page_size", "sink_size", "stage2", "rerank_factor",
                "lowrank_page_size", "lowrank_rank", "quant_bits", "quant_capacity",
-               "skip_layers")
+               "mean_value", "skip_layers")
 _FLOATS = ("alpha", "rerank_factor")
+_BOOLS = ("mean_value",)
 
 
 def parse(spec: str) -> tuple[str, dict[str, int | float | str]]:
@@ -62,6 +64,10 @@ def _value(spec: str, key: str, val: str) -> int | float | str:
       raise ValueError(f"method override {key}={val!r} in {spec!r} must be one of "
                        f"{list(names)}")
     return val
+  if key in _BOOLS:
+    if val not in ("0", "1"):
+      raise ValueError(f"method override {key}={val!r} in {spec!r} must be 0 or 1")
+    return val == "1"
   if val == "B" and key not in _FLOATS:
     return val
   try:

@@ -17,7 +17,7 @@ Stage 2 has variants, `RocketConfig.stage2` (`STAGE2`), all owned here:
   gives its `KVCache`.
 - "quant": per-token low-bit key codes score every slot on the r dims (stage2_quant.py). The
   state is a `QuantState` (the cache, no chunk summaries, plus the codes); `view` gives its
-  `KVCache`. (stage2_state.py maps each variant to its state.)
+  `KVCache`. `RocketConfig.mean_value` adds SparQ's mean-value fill to its attention. (stage2_state.py maps each variant to its state.)
 
 `RocketConfig.skip_layers` = N (`Plan.skip_layers`): layers 0..N-1 are `dense_layers`. Their
 prefill keeps every prompt token in a `KVCache` without summaries (`dense_layer_cache`, for every
@@ -83,7 +83,8 @@ class RocketKV(Method):
         cap = equal_read_capacity(split["capacity"], split["chunk_size"], config.quant_bits)
         kept = min(cap, prompt_len + max_new_tokens) - max_new_tokens
         split.update(prompt_budget=kept, capacity=kept + max_new_tokens)
-      split.update(stage2="quant", chunk_size=0, quant_bits=config.quant_bits)
+      split.update(stage2="quant", chunk_size=0, quant_bits=config.quant_bits,
+                   mean_value=config.mean_value)
     return split
 
   def prefill(self, k, v, q_window, plan, *, lengths=None, impl="auto", dense=False):
@@ -111,6 +112,9 @@ class RocketKV(Method):
     if plan.stage2 == "rerank":  # attends from the candidate K rows it read (stage2_rerank.py)
       return (stage2_rerank.decode_attend(q, new, plan, sliding_window=sliding_window,
                                           impl=impl), new_state)
+    if plan.stage2 == "quant":  # with its mean-value fill where the plan asks (stage2_quant.py)
+      return (stage2_quant.decode_attend(q, new_state, plan, sliding_window=sliding_window,
+                                         impl=impl), new_state)
     idx = stage2_select(q, new_state, plan, sliding_window=sliding_window, impl=impl)
     return attend(q, new, idx, sliding_window=sliding_window, impl=impl), new_state
 
