@@ -15,11 +15,11 @@ A method spec is a name from `rocketkv.METHODS`, optionally followed by `:` and 
     snapkv:window_size=16
 
 Values are integers, floats (`alpha`, `rerank_factor`), names (`stage2`: one of
-`rocketkv.STAGE2`; `quant_capacity`: one of `stage2_quant.CAPACITY`), 0 / 1 (`mean_value`), or `B` for the sweep's token budget (so one spec works
-at every budget). The spec string is the method's name everywhere in the results (records,
-tables, plots), so a variant sits next to the methods it is compared with. The sweep's
-defaults use no overrides: variants exist to find out *why* a method scores what it scores,
-never to tune it to a test set.
+`rocketkv.STAGE2`; `quant_capacity`: one of `stage2_quant.CAPACITY`), 0 / 1 (`mean_value`), or
+`B` for the sweep's token budget (so one spec works at every budget). The spec string is the
+method's name everywhere in the results (records, tables, plots), so a variant sits next to the
+methods it is compared with. The sweep's defaults use no overrides: variants exist to find out
+*why* a method scores what it scores, never to tune it to a test set.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ Stage 2 has variants, `RocketConfig.stage2` (`STAGE2`), all owned here:
   gives its `KVCache`.
 - "quant": per-token low-bit key codes score every slot on the r dims (stage2_quant.py). The
   state is a `QuantState` (the cache, no chunk summaries, plus the codes); `view` gives its
-  `KVCache`. `RocketConfig.mean_value` adds SparQ's mean-value fill to its attention. (stage2_state.py maps each variant to its state.)
+  `KVCache`. `RocketConfig.mean_value` adds SparQ's mean-value fill to its attention.
+  (stage2_state.py maps each variant to its state.)
 
 `RocketConfig.skip_layers` = N (`Plan.skip_layers`): layers 0..N-1 are `dense_layers`. Their
 prefill keeps every prompt token in a `KVCache` without summaries (`dense_layer_cache`, for every
