@@ -12,8 +12,9 @@ For each prompt length and dtype: our full KV, RocketKV at each budget, then tra
 subprocess (so its peak RSS is its own). Then the bf16 targets of issue #15 as ratios of rows
 measured in this run: our bf16 prefill / our fp32 prefill (target <= 0.5 at 4K and 8K), our bf16
 prefill / transformers' bf16 prefill (<= 0.7), our bf16 decode / our fp32 decode (<= 1).
-The header says whether the CPU has bf16 dot instructions (`models/precision.py`); where it has
-none, XLA:CPU runs bf16 dots as fp32 and our bf16 computes in fp32 with bf16 weights and caches.
+The header says whether XLA:CPU runs bf16 dots natively on this CPU (`models/precision.py`);
+where it does not, it runs them as fp32 and our bf16 computes in fp32 with bf16 weights and
+caches.
 Reported:
   * prefill s: the prompt pass (ours: after compilation, which is listed separately).
   * decode ms/tok: mean over `--new-tokens` greedy steps (EOS ignored).
@@ -144,7 +145,8 @@ def main(argv=None):
     print(f"# loaded SmolLM2-135M ({dt}) in {time.perf_counter() - t0:.1f}s", flush=True)
   native = precision.native_bf16_cpu()
   info = [f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} CPU cores; "
-          f"CPU bf16 dot instructions (avx512_bf16/amx_bf16): {'yes' if native else 'no'}"
+          f"XLA:CPU runs bf16 dots natively (avx512_bf16/amx_bf16 and no fp32 converts in a bf16 "
+          f"dot's HLO; models/precision.py): {'yes' if native else 'no'}"
           + ("" if native else " -> our bf16 computes in fp32, bf16 weights and K/V caches")]
   rates = {dt: _matmul_gflops(dt) for dt in dtypes}
   info.append("matmul rate (2048^3 jnp.dot, best of 10): " + ", ".join(

@@ -582,7 +582,7 @@ def _info() -> list[str]:
   except md.PackageNotFoundError:
     hf = "transformers not installed"
   return [f"jax {jax.__version__} ({jax.default_backend()}), {hf}, {os.cpu_count()} CPU cores "
-          f"({platform.processor() or platform.machine()}); CPU bf16 dot instructions: "
+          f"({platform.processor() or platform.machine()}); XLA:CPU bf16 dots native: "
           f"{'yes' if precision.native_bf16_cpu() else 'no'}; commit {commit}",
           f"started {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average "
           f"{'/'.join(f'{x:.1f}' for x in os.getloadavg())}"]

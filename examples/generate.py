@@ -339,9 +339,9 @@ def resolve_dtype(name: str) -> tuple[str, str]:
   if jax.default_backend() != "cpu":
     return "float32", f", auto: float32 on {jax.default_backend()}; --dtype bfloat16 to change"
   if precision.native_bf16_cpu():
-    return "bfloat16", ", auto: this CPU has bf16 dot instructions; --dtype float32 to change"
-  return "float32", (", auto: this CPU has no bf16 dot instructions (avx512_bf16/amx_bf16), "
-                     "where bf16 would compute in fp32; --dtype bfloat16 halves the KV cache")
+    return "bfloat16", ", auto: XLA runs bf16 dots natively on this CPU; --dtype float32 to change"
+  return "float32", (", auto: XLA runs no bf16 dots natively on this CPU (it converts them to "
+                     "fp32), so bf16 would compute in fp32; --dtype bfloat16 halves the KV cache")
 
 
 def load(args, job: _Job, mesh=None):

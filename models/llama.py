@@ -16,7 +16,7 @@ RocketKV decode on SmolLM2-135M on CPU.
 
 Mistral is the same network; its v0.1 sliding window is `config.sliding_window`, honoured by
 the blockwise prefill and handed to the KV method at decode time. Activations run in the
-parameter dtype (fp32 or bf16) -- except bf16 on a CPU without bf16 dot instructions, which
+parameter dtype (fp32 or bf16) -- except bf16 on a CPU where XLA runs no native bf16 dots, which
 computes in fp32 and keeps bf16 weights and K/V caches (`precision.py`); RMSNorm statistics,
 RoPE angles, softmax and logits are fp32.
 (A pure-function pytree was chosen over flax NNX modules: it is what `jit`, `lax.scan`,

@@ -1,11 +1,15 @@
 """Storage dtype vs compute dtype: when bf16 parameters are computed in bf16, and when in fp32.
 
 A bf16 model stores its weights and its K/V caches in bf16 (half the memory of fp32). Whether its
-matmuls also *run* in bf16 depends on the hardware: XLA:CPU keeps bf16 dots in bf16 only where
-the CPU has bf16 dot instructions (AVX512-BF16 or AMX-BF16). Elsewhere it wraps every bf16 dot in
-converts (bf16 -> fp32 inputs, an fp32 dot, fp32 -> bf16 output) and runs the elementwise ops
-the same way, so a bf16 prompt pass was ~1.2x slower than fp32 and a bf16 decode step ~1.5x
-(`benchmarks/end_to_end.py`; the HLO shows the converts around an fp32 `__ynn_fusion` dot).
+matmuls also *run* in bf16 depends on the hardware and on XLA: XLA:CPU can keep bf16 dots in
+bf16 only where the CPU has bf16 dot instructions (AVX512-BF16 or AMX-BF16), and even there it
+may not: jaxlib 0.10.2 on an AVX512-BF16 AMD EPYC (no AMX) still wraps every bf16 dot in
+converts (bf16 -> fp32 inputs, an fp32 `__ynn_fusion` dot, fp32 -> bf16 output), as it does on
+CPUs without the instructions, and runs the elementwise ops the same way, so a bf16 prompt pass
+was ~1.2x slower than fp32 and a bf16 decode step ~1.5x (`benchmarks/end_to_end.py`).
+`native_bf16_cpu` therefore asks the compiler: the CPU must list the instructions *and* XLA:CPU
+must compile a small bf16 dot without any fp32 value in it (`_native_bf16_dot`, once per
+process).
 
 So on such a CPU a bf16 model computes in fp32: `compute_params` upcasts the weights once at the
 top of each compiled program (before the decode loop, not in every step), activations are fp32,
@@ -40,14 +44,30 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
 
 
 def native_bf16_cpu(path: str = "/proc/cpuinfo") -> bool:
-  """True where this CPU advertises bf16 dot instructions (AVX512-BF16 or AMX-BF16).
+  """True where bf16 matmuls run as bf16 on this CPU: it advertises bf16 dot instructions
+  (AVX512-BF16 or AMX-BF16) and XLA:CPU compiles a bf16 dot natively (`_native_bf16_dot`).
 
   `ROCKETKV_NATIVE_BF16=0/1` overrides the detection (e.g. a VM that hides the flags).
   """
   env = os.environ.get("ROCKETKV_NATIVE_BF16")
   if env in ("0", "1"):
     return env == "1"
-  return any(flag in cpu_flags(path) for flag in BF16_CPU_FLAGS)
+  return any(flag in cpu_flags(path) for flag in BF16_CPU_FLAGS) and _native_bf16_dot()
+
+
+def bf16_dot_hlo_is_native(hlo: str) -> bool:
+  """Whether the compiled HLO text of a bf16 x bf16 -> bf16 matmul holds no fp32 value (XLA
+  did not convert its operands to fp32 around an fp32 dot)."""
+  return "f32[" not in hlo
+
+
+@functools.lru_cache(maxsize=None)
+def _native_bf16_dot() -> bool:
+  """Compiles a 64 x 64 bf16 matmul for the CPU backend and reads its HLO (once per process)."""
+  cpu = jax.devices("cpu")[0]
+  x = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16,
+                           sharding=jax.sharding.SingleDeviceSharding(cpu))
+  return bf16_dot_hlo_is_native(jax.jit(jnp.matmul).lower(x, x).compile().as_text())
 
 
 def compute_dtype(dtype) -> jnp.dtype:

@@ -83,8 +83,9 @@ def test_help_explains_the_demo():
 
 @pytest.mark.parametrize("native,want", [("1", "bfloat16"), ("0", "float32")])
 def test_auto_dtype_follows_the_cpu(native, want, monkeypatch):
-  """--dtype auto (the default) picks bf16 only where the CPU has bf16 dot instructions, and the
-  load line says why; an explicit --dtype is taken as given."""
+  """--dtype auto (the default) picks bf16 only where XLA runs bf16 dots natively on the CPU
+  (`precision.native_bf16_cpu`), and the load line says why; an explicit --dtype is taken as
+  given."""
   import importlib.util
 
   spec = importlib.util.spec_from_file_location("generate_script", SCRIPT)
@@ -95,6 +96,6 @@ def test_auto_dtype_follows_the_cpu(native, want, monkeypatch):
   assert script._parser().parse_args([]).dtype == "auto"
   dtype, why = script.resolve_dtype("auto")
   assert dtype == want
-  assert ("has bf16 dot" if native == "1" else "no bf16 dot") in why
+  assert ("runs bf16 dots natively" if native == "1" else "runs no bf16 dots natively") in why
   assert script.resolve_dtype("float32") == ("float32", "")
   assert script.resolve_dtype("bfloat16") == ("bfloat16", "")

@@ -228,11 +228,33 @@ def test_native_bf16_cpu_reads_the_cpuinfo_flags(tmp_path, monkeypatch):
                  "processor\t: 1\nflags\t\t: fpu\n")
   avx2 = tmp_path / "avx2"
   avx2.write_text("processor\t: 0\nflags\t\t: fpu avx avx2 fma\n")
+  monkeypatch.setattr(precision, "_native_bf16_dot", lambda: True)
   assert precision.native_bf16_cpu(str(amx))
   assert not precision.native_bf16_cpu(str(avx2))
   assert not precision.native_bf16_cpu(str(tmp_path / "missing"))
+  # the flags alone are not enough: XLA must also compile bf16 dots natively
+  monkeypatch.setattr(precision, "_native_bf16_dot", lambda: False)
+  assert not precision.native_bf16_cpu(str(amx))
   monkeypatch.setenv("ROCKETKV_NATIVE_BF16", "1")
   assert precision.native_bf16_cpu(str(avx2))
+
+
+def test_bf16_dot_probe_reads_the_compiled_hlo():
+  """jaxlib 0.10.2 on an AVX512-BF16 CPU without AMX converts a bf16 dot's operands to fp32 (the
+  form below, trimmed from its compiled HLO): not native. A dot that stays bf16 is."""
+  from rocketkv_jax.models import precision
+
+  converted = """
+  %wrapped_convert = f32[64,64]{1,0} fusion(%a.1), kind=kLoop, calls=%wrapped_convert_computation
+  %ynn_fusion = f32[64,64]{1,0} fusion(%wrapped_convert, %wrapped_convert.1), kind=kCustom
+  ROOT %wrapped_convert.2 = bf16[64,64]{1,0} fusion(%ynn_fusion), kind=kLoop"""
+  native = """
+  ROOT %dot.0 = bf16[64,64]{1,0} dot(bf16[64,64]{1,0} %a, bf16[64,64]{1,0} %b)"""
+  assert not precision.bf16_dot_hlo_is_native(converted)
+  assert precision.bf16_dot_hlo_is_native(native)
+  # the probe itself compiles on the CPU backend and answers the same on every call
+  assert precision._native_bf16_dot() in (True, False)
+  assert precision._native_bf16_dot() == precision._native_bf16_dot()
 
 
 def test_full_kv_keeps_each_layer_apart_and_its_prompt_pass_stays_small():
