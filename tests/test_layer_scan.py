@@ -58,29 +58,32 @@ def test_scanned_decode_equals_unrolled(spec):
                                 np.asarray(rocketkv.cache_overflow(unrolled)))
 
 
-@pytest.mark.parametrize("spec,batch,dtype", [("rocketkv:quant", 18, jnp.float32),
-                                              ("rocketkv", 3, jnp.bfloat16)])
-def test_scanned_decode_scatter_batches_and_bf16_storage(spec, batch, dtype, monkeypatch):
-  """Above 16 sequences the rows are scattered; bf16 caches are stored as uint16 bits.
-
-  Computed in fp32 (bf16 storage only): with native bf16 compute the two programs round their
-  bf16 activations at different places (XLA fuses a scan body and an unrolled loop differently),
-  so only the test below, with a tolerance, holds there."""
-  monkeypatch.setenv("ROCKETKV_NATIVE_BF16", "0")
-  jax.clear_caches()  # the compute dtype is read at trace time
-  (want, unrolled), (got, stack) = _both(spec, batch=batch, dtype=dtype)
-  np.testing.assert_array_equal(got, want)
+def _assert_same_caches(stack, unrolled):
   for a, b in zip(jax.tree.leaves(llama.unstack_cache(stack)), jax.tree.leaves(unrolled)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_scanned_decode_native_bf16_compute_within_rounding(monkeypatch):
-  """Native bf16 compute (CPUs with bf16 dots, GPUs): scanned and unrolled agree to bf16
-  rounding, and each is as close to the fp32-compute logits as the other (measured on an
-  AVX512-BF16 CPU: 0.027 apart, 0.051 from fp32; a wrong row or layer moves logits by ~0.5)."""
+def test_scanned_decode_scatters_rows_above_16_sequences():
+  """Above 16 sequences the rows are scattered."""
+  (want, unrolled), (got, stack) = _both("rocketkv:quant", batch=18)
+  np.testing.assert_array_equal(got, want)
+  _assert_same_caches(stack, unrolled)
+
+
+def test_scanned_decode_bf16_storage_and_native_bf16_compute(monkeypatch):
+  """bf16 caches are stored as uint16 bits: with fp32 compute (`ROCKETKV_NATIVE_BF16=0`) the
+  scanned and unrolled loops are bit-identical. With native bf16 compute the two programs round
+  their bf16 activations at different places (XLA fuses a scan body and an unrolled loop
+  differently), so there they agree to bf16 rounding, each as close to the fp32-compute logits
+  as the other (measured on an AVX512-BF16 CPU: 0.027 apart, 0.051 from fp32; a wrong row or
+  layer moves logits by ~0.5)."""
   monkeypatch.setenv("ROCKETKV_NATIVE_BF16", "0")
-  jax.clear_caches()
-  (ref, _), _ = _both("rocketkv", batch=3, dtype=jnp.bfloat16)
+  jax.clear_caches()  # the compute dtype is read at trace time
+  (ref, unrolled), (got, stack) = _both("rocketkv", batch=3, dtype=jnp.bfloat16)
+  np.testing.assert_array_equal(got, ref)
+  _assert_same_caches(stack, unrolled)
+  assert stack.groups[0].k_raw.dtype == jnp.uint16  # bf16 bits on the CPU backend
+
   monkeypatch.setenv("ROCKETKV_NATIVE_BF16", "1")
   jax.clear_caches()
   (want, unrolled), (got, stack) = _both("rocketkv", batch=3, dtype=jnp.bfloat16)
