@@ -70,34 +70,19 @@ def test_scanned_decode_scatters_rows_above_16_sequences():
   _assert_same_caches(stack, unrolled)
 
 
-def test_scanned_decode_bf16_storage_and_native_bf16_compute(monkeypatch):
-  """bf16 caches are stored as uint16 bits: with fp32 compute (`ROCKETKV_NATIVE_BF16=0`) the
-  scanned and unrolled loops are bit-identical. With native bf16 compute the two programs round
-  their bf16 activations at different places (XLA fuses a scan body and an unrolled loop
-  differently), so there they agree to bf16 rounding, each as close to the fp32-compute logits
-  as the other (measured on an AVX512-BF16 CPU: 0.027 apart, 0.051 from fp32; a wrong row or
-  layer moves logits by ~0.5)."""
+def test_scanned_decode_bf16_storage(monkeypatch):
+  """bf16 caches are stored as uint16 bits, and the scanned and unrolled loops are bit-identical
+  with fp32 compute (`ROCKETKV_NATIVE_BF16=0`). Native bf16 compute is left out on purpose: the
+  two programs round their bf16 activations at different places (XLA fuses a scan body and an
+  unrolled loop differently; measured 0.027 apart, each 0.051 from fp32 compute), and its
+  accuracy against fp32 is tested in tests/test_models.py."""
   monkeypatch.setenv("ROCKETKV_NATIVE_BF16", "0")
   jax.clear_caches()  # the compute dtype is read at trace time
-  (ref, unrolled), (got, stack) = _both("rocketkv", batch=3, dtype=jnp.bfloat16)
-  np.testing.assert_array_equal(got, ref)
-  _assert_same_caches(stack, unrolled)
-  assert stack.groups[0].k_raw.dtype == jnp.uint16  # bf16 bits on the CPU backend
-
-  monkeypatch.setenv("ROCKETKV_NATIVE_BF16", "1")
-  jax.clear_caches()
   (want, unrolled), (got, stack) = _both("rocketkv", batch=3, dtype=jnp.bfloat16)
   jax.clear_caches()
-  np.testing.assert_allclose(got, want, rtol=0, atol=0.06)
-  np.testing.assert_allclose(got, ref, rtol=0, atol=0.1)
-  np.testing.assert_allclose(want, ref, rtol=0, atol=0.1)
-  for a, b in zip(jax.tree.leaves(llama.unstack_cache(stack)), jax.tree.leaves(unrolled)):
-    a, b = np.asarray(a), np.asarray(b)
-    if a.dtype == np.uint16:  # bf16 bits
-      a, b = (np.asarray(jnp.asarray(x).view(jnp.bfloat16), np.float32) for x in (a, b))
-      np.testing.assert_allclose(a, b, rtol=0.05, atol=0.02)
-    else:
-      np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(got, want)
+  _assert_same_caches(stack, unrolled)
+  assert stack.groups[0].k_raw.dtype == jnp.uint16  # bf16 bits on the CPU backend
 
 
 def test_layer_spans_and_stack_round_trip():
