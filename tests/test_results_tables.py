@@ -250,8 +250,9 @@ def test_compare_pools_a_later_run_of_other_methods(tmp_path, capsys):
 
 def test_targets_checks_issue_13_cells_against_full_kv_and_the_other_methods(tmp_path, capsys):
   """--targets: per cell, the paired difference to full KV (tolerance 5 at 2K, 2 from 4K on), the
-  gold log-prob within 0.1 from 4K on, and the lowest paired difference to the other methods;
-  cells where full KV scores below 20 are left out."""
+  gold log-prob within 0.1 from 4K on, the lowest paired difference to the other methods, and
+  the B/2 oracle (exact_topk at 128) against full KV where it is recorded; cells where full KV
+  scores below 20 are left out."""
   res, rk, lp_rk = _run()  # 2K: rocketkv 60 vs full 70; snapkv 0
   rk4 = list(FULL)
   rk4[0] = 0  # 4K: one answer lost (-10), gold 0.05 nats/token below full everywhere
@@ -262,6 +263,8 @@ def test_targets_checks_issue_13_cells_against_full_kv_and_the_other_methods(tmp
                 length=4096) for i in range(10)]
   recs += [_rec("snapkv", 256, i, float(FULL[i]), lp=-3.0, argmax=0.0, length=4096)
            for i in range(10)]
+  recs += [_rec("exact_topk", 128, i, float(rk4[i]), lp=LP_FULL[i], argmax=1.0, length=4096)
+           for i in range(10)]  # the B/2 oracle at 4K loses what rocketkv loses
   recs += [_rec(m, b, i, float(i == 0), lp=-1.0, argmax=0.0, length=8192)  # full KV at 10
            for m, b in (("full", None), ("rocketkv", 256)) for i in range(10)]
   recs += [_rec(m, b, i, float(m == "full" or i > 0), task="vt")  # 2K: -5, no gold, no snapkv
@@ -276,18 +279,22 @@ def test_targets_checks_issue_13_cells_against_full_kv_and_the_other_methods(tmp
   g2 = stats.paired_bootstrap_diff(lp_rk[:8], LP_FULL[:8])
   s2 = [100 * x for x in stats.paired_bootstrap_diff(rk, [0] * 10)]
   assert rows["2K"] == (
-      f"| passkey | 2K | 10 | 70.0 | 70.0 | 60.0 | {d2[0]:+.1f} [{d2[1]:+.1f}, {d2[2]:+.1f}] | no "
+      f"| passkey | 2K | 10 | 70.0 | 70.0 | +0.0 [+0.0, +0.0] | 60.0 | {d2[0]:+.1f} [{d2[1]:+.1f}, {d2[2]:+.1f}] | no "
       f"| {g2[0]:+.3f} [{g2[1]:+.3f}, {g2[2]:+.3f}] |  | snapkv +60.0 [{s2[1]:+.1f}, "
       f"{s2[2]:+.1f}] |")
   assert d2[0] == pytest.approx(-10.0) and s2[0] == pytest.approx(60.0)
   d4 = [100 * x for x in stats.paired_bootstrap_diff(rk4, FULL)]
   assert rows["4K"] == (
-      f"| passkey | 4K | 10 | 70.0 | - | 60.0 | -10.0 [{d4[1]:+.1f}, {d4[2]:+.1f}] | no "
+      f"| passkey | 4K | 10 | 70.0 | - | -10.0 [{d4[1]:+.1f}, {d4[2]:+.1f}] | 60.0 | "
+      f"-10.0 [{d4[1]:+.1f}, {d4[2]:+.1f}] | no "
       f"| -0.050 [-0.050, -0.050] | yes | snapkv -10.0 [{d4[1]:+.1f}, {d4[2]:+.1f}] |")
   vt = next(l for l in lines if l.startswith("| vt |"))
-  assert vt.startswith("| vt | 2K | 20 | 100.0 | - | 95.0 | -5.0 [") and vt.endswith(
+  assert vt.startswith("| vt | 2K | 20 | 100.0 | - | - | 95.0 | -5.0 [") and vt.endswith(
       "| yes |  |  |  |")
   assert lines[-1] == (
+      "exact_topk at B/2 = 128 (the oracle reading as many rows as top_k = B/2) within 2 / 5 "
+      "points of full KV in 1 of 2 cells that have it.")
+  assert lines[-2] == (
       "rocketkv at B=256: within 2 / 5 points of full KV in 1 of 3 cells; gold log-prob within "
       "0.1 of full KV in 1 of 1 cells at 4K and longer; at or above every other compressed "
       "method in 1 of 2 cells; left out (full KV below 20): passkey 8K.")
