@@ -16,7 +16,7 @@ _xla_flags.set_cpu_flags()  # before anything below imports JAX
 from rocketkv_jax.attend import attend  # noqa: E402
 from rocketkv_jax.cache import (KVCache, append, cache_overflow, chunk_summaries,  # noqa: E402
                                 empty_cache, extend, full_cache)
-from rocketkv_jax.config import METHODS, STAGE2, Plan, RocketConfig, plan  # noqa: E402
+from rocketkv_jax.config import METHODS, STAGE2, WINDOW_REDUCE, Plan, RocketConfig, plan  # noqa: E402
 from rocketkv_jax.decode import decode_step, prefill, select  # noqa: E402
 from rocketkv_jax.evict import evict  # noqa: E402
 from rocketkv_jax.multiturn import MTState, begin_turn  # noqa: E402
@@ -27,7 +27,8 @@ from rocketkv_jax.teacher_forced import ContinuationScores, score_continuations 
 
 __all__ = [
     "ContinuationScores", "GenerationResult", "KVCache", "LowRankState", "METHODS", "MTState",
-    "Plan", "QuantState", "RocketConfig", "STAGE2", "append", "attend", "begin_turn", "cache_overflow", "chunk_summaries",
+    "Plan", "QuantState", "RocketConfig", "STAGE2", "WINDOW_REDUCE", "append", "attend",
+    "begin_turn", "cache_overflow", "chunk_summaries",
     "decode_step", "empty_cache", "evict", "extend", "full_cache", "generate", "plan", "prefill",
     "score_continuations", "select",
 ]

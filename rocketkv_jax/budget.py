@@ -58,6 +58,8 @@ class Plan:
       (`RocketConfig.mean_value`; False otherwise).
     skip_layers: the first layers that keep their whole cache and attend densely (rocketkv,
       rocketkv_mt: `RocketConfig.skip_layers`; 0 otherwise).
+    window_reduce: stage 1's reduction of the window's probabilities, "sum" | "max"
+      (`RocketConfig.window_reduce`).
   """
 
   method: str
@@ -81,6 +83,7 @@ class Plan:
   quant_bits: int = 0
   mean_value: bool = False
   skip_layers: int = 0
+  window_reduce: str = "sum"
 
   @property
   def num_chunks(self) -> int:

@@ -14,10 +14,12 @@ import dataclasses
 from rocketkv_jax import methods
 from rocketkv_jax._checks import require, require_int
 from rocketkv_jax.budget import Plan
+from rocketkv_jax.evict import WINDOW_REDUCE
 from rocketkv_jax.methods import METHODS, STAGE2
 from rocketkv_jax.stage2_quant import CAPACITY as QUANT_CAPACITY
 
-__all__ = ["METHODS", "Plan", "RocketConfig", "STAGE2", "check_num_layers", "plan"]
+__all__ = ["METHODS", "Plan", "RocketConfig", "STAGE2", "WINDOW_REDUCE", "check_num_layers",
+           "plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +31,11 @@ class RocketConfig:
     method: one of `METHODS`.
     window_size: stage-1 observation window (the last W prompt queries), always kept.
     kernel_size: stage-1 max-pooling kernel (odd).
+    window_reduce: how stage 1 reduces the window's attention probabilities to one score per
+      key, over the W window queries and the G query heads of a KV head's group: "sum" (SnapKV
+      and the paper) or "max" (the largest probability any of them gives the key, so one sharp
+      query is not outweighed by the others' diffuse mass). Every method with a SnapKV stage 1
+      (rocketkv, rocketkv_mt, snapkv) honours it.
     alpha, capacity, prompt_budget, top_k, chunk_size, r: optional overrides of the split.
       A fixed `alpha` reproduces the paper's ablations.
     page_size: Quest page size (tokens per min/max summary).
@@ -62,6 +69,7 @@ class RocketConfig:
   method: str = "rocketkv"
   window_size: int = 32
   kernel_size: int = 63
+  window_reduce: str = "sum"
   alpha: float | None = None
   capacity: int | None = None
   prompt_budget: int | None = None
@@ -88,6 +96,8 @@ class RocketConfig:
     require_int("window_size", self.window_size, 1)
     require_int("kernel_size", self.kernel_size, 1)
     require(self.kernel_size % 2 == 1, f"kernel_size must be odd, got {self.kernel_size}")
+    require(self.window_reduce in WINDOW_REDUCE, f"window_reduce must be one of "
+            f"{list(WINDOW_REDUCE)}, got {self.window_reduce!r}")
     require(self.stage2 in STAGE2, f"stage2 must be one of {list(STAGE2)}, got {self.stage2!r}")
     require(self.stage2 in method.stage2_variants,
             f"stage2={self.stage2!r} needs method in "
@@ -142,7 +152,8 @@ def plan(config: RocketConfig, prompt_len: int, max_new_tokens: int, head_dim: i
           f"got {split['capacity']}")
   require(split["r"] <= head_dim, f"r must be in [1, head_dim={head_dim}], got {split['r']}")
   return Plan(method=config.method, window_size=config.window_size,
-              kernel_size=config.kernel_size, sink_size=config.sink_size, head_dim=head_dim,
+              kernel_size=config.kernel_size, window_reduce=config.window_reduce,
+              sink_size=config.sink_size, head_dim=head_dim,
               prompt_len=prompt_len, max_new_tokens=max_new_tokens,
               token_budget=config.token_budget, **split)
 

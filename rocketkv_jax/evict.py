@@ -1,7 +1,8 @@
 """Stage 1 (prefill, permanent eviction), SnapKV style.
 
 The last W prompt queries score every key: softmax(q k^T / sqrt(D)) with the causal mask, summed
-over the window and over the G query heads of each KV head's group. Keys older than the window
+over the window and over the G query heads of each KV head's group (`Plan.window_reduce="sum"`,
+SnapKV and the paper; "max" takes the largest probability instead). Keys older than the window
 are candidates; their scores are max-pooled (kernel `kernel_size`, 'same' padding, over
 candidates only) and each KV head keeps the top `prompt_budget - W` candidates plus the window,
 in position order. Prompts that fit in `prompt_budget` are kept whole.
@@ -20,14 +21,18 @@ from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, from_kept
 from rocketkv_jax.ops import gather_rows, group_queries, masked_softmax, sink_recent_indices
 
+WINDOW_REDUCE = ("sum", "max")
 
-def window_scores_xla(q_window: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.Array:
-  """Attention mass each key receives from the window, summed over window and group.
+
+def window_scores_xla(q_window: jax.Array, k: jax.Array, lengths: jax.Array,
+                      reduce: str = "sum") -> jax.Array:
+  """Attention mass each key receives from the window, summed (or maxed) over window and group.
 
   Args:
     q_window: [B, Hq, W, D] the last W valid queries of each sequence (post-RoPE).
     k: [B, Hkv, L, D] keys (post-RoPE), right-padded.
     lengths: [B] valid prompt lengths.
+    reduce: "sum" | "max" over the W queries and the G heads of the group (`WINDOW_REDUCE`).
   Returns:
     [B, Hkv, L] float32; 0 at padding.
   """
@@ -40,7 +45,7 @@ def window_scores_xla(q_window: jax.Array, k: jax.Array, lengths: jax.Array) -> 
   kpos = jnp.arange(l)
   mask = (kpos[None, None, :] <= qpos[:, :, None]) & (kpos[None, None, :] < lengths[:, None, None])
   p = masked_softmax(logits, mask[:, None, None])  # mask [B, 1, 1, W, L]
-  return jnp.sum(p, axis=(2, 3))
+  return (jnp.max if reduce == "max" else jnp.sum)(p, axis=(2, 3))
 
 
 def pooled_candidate_scores(scores: jax.Array, lengths: jax.Array, window: int,
@@ -96,12 +101,16 @@ def evict(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
     plan: from `rocketkv.plan`; uses `prompt_budget`, `capacity`, `chunk_size`, `kernel_size`.
     lengths: [B] valid prompt lengths (None: all L). A sequence shorter than the budget keeps
       every token.
-    impl: "auto" | "xla" | "pallas" for the window scoring.
+    impl: "auto" | "xla" | "pallas" for the window scoring ("pallas" needs
+      `plan.window_reduce == "sum"`; "auto" runs "max" in XLA).
   Returns:
     A `KVCache` of capacity `plan.capacity` holding min(prompt_budget, lengths[b]) tokens per
     sequence, in position order, with `seen = lengths`.
   """
   check_prefill_inputs(k, v, q_window, plan, lengths)
+  require(impl != "pallas" or plan.window_reduce == "sum",
+          f"impl='pallas' needs window_reduce='sum' (the kernel sums), got "
+          f"{plan.window_reduce!r}")
   b, hkv, l, d = k.shape
   w = q_window.shape[2]
   lengths = jnp.full((b,), l, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
@@ -113,7 +122,9 @@ def evict(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
     from rocketkv_jax import kernels  # imported on first use (Pallas is a heavy import)
     return kernels.window_scores(q_window, k, lengths, interpret=interpret)
 
-  scores = _impl.dispatch(impl, lambda: window_scores_xla(q_window, k, lengths), pallas)
+  xla = lambda: window_scores_xla(q_window, k, lengths, plan.window_reduce)  # noqa: E731
+  # The Pallas kernel sums; "max" (an option off the paper's path) runs in XLA everywhere.
+  scores = xla() if plan.window_reduce == "max" else _impl.dispatch(impl, xla, pallas)
   pri = pooled_candidate_scores(scores, lengths, w, plan.kernel_size)
   kpos = jnp.arange(l)[None, None, :]
   keep_all = (lengths <= pb)[:, None, None]

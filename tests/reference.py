@@ -30,8 +30,9 @@ def plan_split(prompt, new, budget, d):
   return capacity, prompt_budget, top_k, chunk, r
 
 
-def window_scores(qw, k, length):
-  """qw [Hq, W, D], k [Hkv, L, D] of one sequence -> [Hkv, L] summed window attention."""
+def window_scores(qw, k, length, reduce="sum"):
+  """qw [Hq, W, D], k [Hkv, L, D] of one sequence -> [Hkv, L] window attention, summed (or the
+  max, `reduce="max"`) over the window queries and the group's heads."""
   qw, k = np.asarray(qw, np.float64), np.asarray(k, np.float64)
   hq, w, d = qw.shape
   hkv, l, _ = k.shape
@@ -44,7 +45,10 @@ def window_scores(qw, k, length):
       if n <= 0:
         continue
       logits = k[h // g, :n] @ qw[h, i] / math.sqrt(d)
-      out[h // g, :n] += softmax(logits)
+      if reduce == "max":
+        out[h // g, :n] = np.maximum(out[h // g, :n], softmax(logits))
+      else:
+        out[h // g, :n] += softmax(logits)
   return out
 
 

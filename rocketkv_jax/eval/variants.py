@@ -12,10 +12,12 @@ A method spec is a name from `rocketkv.METHODS`, optionally followed by `:` and 
     rocketkv:stage2=quant,quant_capacity=equal_read   the codes' saved bytes spent on stage 1
     rocketkv:stage2=quant,mean_value=1      SparQ's mean-value fill for the unread slots
     rocketkv:skip_layers=2          layers 0 and 1 keep their whole cache and attend densely
+    rocketkv:window_reduce=max      stage 1 keeps the keys some window query attends to most
     snapkv:window_size=16
 
 Values are integers, floats (`alpha`, `rerank_factor`), names (`stage2`: one of
-`rocketkv.STAGE2`; `quant_capacity`: one of `stage2_quant.CAPACITY`), 0 / 1 (`mean_value`), or
+`rocketkv.STAGE2`; `quant_capacity`: one of `stage2_quant.CAPACITY`; `window_reduce`: one of
+`rocketkv.WINDOW_REDUCE`), 0 / 1 (`mean_value`), or
 `B` for the sweep's token budget (so one spec works at every budget). The spec string is the
 method's name everywhere in the results (records, tables, plots), so a variant sits next to the
 methods it is compared with. The sweep's defaults use no overrides: variants exist to find out
@@ -25,13 +27,13 @@ methods it is compared with. The sweep's defaults use no overrides: variants exi
 from __future__ import annotations
 
 import rocketkv_jax as rocketkv
-from rocketkv_jax.config import STAGE2
+from rocketkv_jax.config import STAGE2, WINDOW_REDUCE
 from rocketkv_jax.stage2_quant import CAPACITY
 
 OVERRIDABLE = ("alpha", "capacity", "prompt_budget", "top_k", "chunk_size", "r", "window_size",
                "kernel_size", "page_size", "sink_size", "stage2", "rerank_factor",
                "lowrank_page_size", "lowrank_rank", "quant_bits", "quant_capacity",
-               "mean_value", "skip_layers")
+               "mean_value", "skip_layers", "window_reduce")
 _FLOATS = ("alpha", "rerank_factor")
 _BOOLS = ("mean_value",)
 
@@ -58,7 +60,7 @@ def parse(spec: str) -> tuple[str, dict[str, int | float | str]]:
 
 
 def _value(spec: str, key: str, val: str) -> int | float | str:
-  names = {"stage2": STAGE2, "quant_capacity": CAPACITY}.get(key)
+  names = {"stage2": STAGE2, "quant_capacity": CAPACITY, "window_reduce": WINDOW_REDUCE}.get(key)
   if names is not None:
     if val not in names:
       raise ValueError(f"method override {key}={val!r} in {spec!r} must be one of "
