@@ -50,7 +50,7 @@ def _rand(seed, b, hq, hkv, l, w, d):
        l=st.sampled_from([20, 77, 160]), budget=st.sampled_from([16, 40, 96]),
        ragged=st.booleans(), kernel=st.sampled_from([1, 7, 63]),
        reduce=st.sampled_from(rocketkv.WINDOW_REDUCE))
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=15, deadline=None)
 def test_evict_matches_reference(seed, g, hkv, l, budget, ragged, kernel, reduce):
   w, d, b = 8, 16, 2
   k, v, qw = _rand(seed, b, g * hkv, hkv, l, w, d)
