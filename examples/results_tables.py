@@ -125,8 +125,8 @@ def targets(res, method: str, budget: int) -> str:
   if any(r["method"] == "exact_topk" and r["budget"] == budget // 2 for r in res["records"]):
     half_oracle = {(r["task"], r["context_len"]): r
                    for r in report.compare(res, "full", ["exact_topk"], budget // 2)}
-  lines = [f"| task | length | n | full | exact_topk | exact_topk B/2 vs full | {method} | vs full | "
-           "within 2 (4K+) / 5 (2K) | gold vs full | gold within 0.1 (4K+) | lowest vs "
+  lines = [f"| task | length | n | full | exact_topk | exact_topk B/2 vs full | {method} | "
+           "vs full | within 2 (4K+) / 5 (2K) | gold vs full | gold within 0.1 (4K+) | lowest vs "
            f"{' / '.join(others) or 'others'} |", "|---" * 12 + "|"]
   met = collections.Counter()
   cells = collections.Counter()

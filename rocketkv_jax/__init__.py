@@ -16,7 +16,8 @@ _xla_flags.set_cpu_flags()  # before anything below imports JAX
 from rocketkv_jax.attend import attend  # noqa: E402
 from rocketkv_jax.cache import (KVCache, append, cache_overflow, chunk_summaries,  # noqa: E402
                                 empty_cache, extend, full_cache)
-from rocketkv_jax.config import METHODS, STAGE2, WINDOW_REDUCE, Plan, RocketConfig, plan  # noqa: E402
+from rocketkv_jax.config import (METHODS, STAGE2, WINDOW_REDUCE, Plan, RocketConfig,  # noqa: E402
+                                 plan)
 from rocketkv_jax.decode import decode_step, prefill, select  # noqa: E402
 from rocketkv_jax.evict import evict  # noqa: E402
 from rocketkv_jax.multiturn import MTState, begin_turn  # noqa: E402

@@ -98,7 +98,8 @@ def evict(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
   Args:
     k, v: [B, Hkv, L, D] prompt keys (post-RoPE) and values, right-padded.
     q_window: [B, Hq, W, D] post-RoPE queries of the last W valid prompt tokens of each sequence.
-    plan: from `rocketkv.plan`; uses `prompt_budget`, `capacity`, `chunk_size`, `kernel_size`.
+    plan: from `rocketkv.plan`; uses `prompt_budget`, `capacity`, `chunk_size`, `kernel_size`,
+      `window_reduce`.
     lengths: [B] valid prompt lengths (None: all L). A sequence shorter than the budget keeps
       every token.
     impl: "auto" | "xla" | "pallas" for the window scoring ("pallas" needs

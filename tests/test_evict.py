@@ -3,8 +3,8 @@ is >= every evicted candidate's (scores, not indices: max-pooling makes ties).""
 
 import numpy as np
 import jax
-import pytest
 import jax.numpy as jnp
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -102,7 +102,7 @@ def test_evict_jits():
 
 def test_window_reduce_max_keeps_the_key_one_sharp_query_picks():
   """A key that one window query attends to sharply, while the others spread their mass over
-  the rest, is evicted by "sum" and kept by "max" (and the reductions differ only there)."""
+  the rest, is evicted by "sum" and kept by "max" (in place of the weakest shared key)."""
   l, w, d = 40, 4, 8
   k = np.zeros((1, 1, l, d), np.float32)
   k[0, 0, 5, 0] = 1.0  # the needle
@@ -130,7 +130,9 @@ def test_window_reduce_reaches_the_plan_and_the_eval_specs():
     cfg = variants.rocket_config(f"{method}:window_reduce=max", 256)
     assert rocketkv.plan(cfg, 4000, 24, 64).window_reduce == "max"
   assert rocketkv.plan(rocketkv.RocketConfig(token_budget=256), 4000, 24, 64).window_reduce == "sum"
-  with pytest.raises(ValueError, match=r"^window_reduce must be one of \['sum', 'max'\], got 'mean'$"):
+  with pytest.raises(ValueError,
+                     match=r"^window_reduce must be one of \['sum', 'max'\], got 'mean'$"):
     rocketkv.RocketConfig(token_budget=256, window_reduce="mean")
-  with pytest.raises(ValueError, match=r"window_reduce='mean' in .* must be one of \['sum', 'max'\]"):
+  with pytest.raises(ValueError,
+                     match=r"window_reduce='mean' in .* must be one of \['sum', 'max'\]"):
     variants.parse("rocketkv:window_reduce=mean")
