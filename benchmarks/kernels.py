@@ -110,7 +110,7 @@ _xla_approx = jax.jit(approx_bounds_scores_xla, static_argnames=("chunk_size", "
 _xla_approx_chunk = jax.jit(approx_chunk_scores_xla, static_argnames=("chunk_size", "r"))
 _xla_quant = jax.jit(quant_slot_logits_xla, static_argnames=("r",))
 _xla_sparse = jax.jit(sparse_attention_xla)
-_xla_window = jax.jit(window_scores_xla)
+_xla_window = jax.jit(window_scores_xla, static_argnames="reduce")
 
 
 def _highest(f, *args, **kw):
@@ -243,9 +243,11 @@ def check_compiled(dims, length, budget, batches, interpret, deadline, records,
                              jnp.float32).astype(dt)
       qw = jax.random.normal(kwq, (b, hq, WINDOW, d), jnp.float32).astype(dt)
       wl = jnp.asarray([max(WINDOW, x) for x in _ragged(b, length)], jnp.int32)
-      ok_all &= add("window_scores",
-                    lambda: kernels.window_scores(qw, kp, wl, interpret=interpret),
-                    lambda: _highest(_xla_window, qw, kp, wl), lambda: _xla_window(qw, kp, wl))
+      for red in ("sum", "max"):  # RocketConfig.window_reduce
+        ok_all &= add("window_scores" + ("" if red == "sum" else " max"),
+                      lambda: kernels.window_scores(qw, kp, wl, reduce=red, interpret=interpret),
+                      lambda: _highest(_xla_window, qw, kp, wl, reduce=red),
+                      lambda: _xla_window(qw, kp, wl, reduce=red))
       del kp
 
       # end to end: select + attend, impl="pallas" vs impl="xla" (fresh query)
@@ -586,6 +588,8 @@ def correctness_pass():
           approx_chunk_scores_xla(q, kmin, kmax, length, cs, r)),
       "window_scores": (kernels.window_scores(qw, k, length, interpret=True),
                         window_scores_xla(qw, k, length)),
+      "window_scores max": (kernels.window_scores(qw, k, length, reduce="max", interpret=True),
+                            window_scores_xla(qw, k, length, "max")),
   }
   ok = True
   for name, (got, want) in checks.items():

@@ -1,5 +1,8 @@
 """SnapKV window scores: attention mass each prompt key receives from the last W queries.
 
+Summed over the window and the group (`reduce="sum"`, SnapKV and the paper) or their largest
+probability (`reduce="max"`, `RocketConfig.window_reduce`).
+
 The W window queries of the G heads of one KV head are flattened into G*W rows (padded to a
 power of two >= 16, tiled by `block_m` rows). Two Pallas passes over the keys, each split along
 L across programs so a 128K prompt keeps the GPU busy, and neither ever holds the whole
@@ -7,8 +10,9 @@ L across programs so a 128K prompt keeps the GPU busy, and neither ever holds th
 
 1. row statistics: grid (batch, KV head, row block, L split); online max / sum of the causal,
    length-masked logits over the split's keys; the splits' partials are merged in XLA;
-2. column sums: same grid; recompute each [block_m, block_l] logit tile, normalise with the
-   merged row max / sum and sum over rows into the [L] output; row blocks are summed in XLA.
+2. column sums (or maxima): same grid; recompute each [block_m, block_l] logit tile, normalise
+   with the merged row max / sum and sum (max) over rows into the [L] output; row blocks are
+   summed (maxed) in XLA. Padded rows have probability 0, so they change neither.
 
 Query row r is window step w = r % W of group head r // W at position lengths - W + w; it sees
 keys at positions <= its own and < lengths. Keys at or past lengths score 0.
@@ -70,8 +74,9 @@ def _stats_kernel(len_ref, q_ref, k_ref, m_ref, l_ref, *, split_len: int, **kw):
   l_ref[...] = l
 
 
-def _colsum_kernel(len_ref, q_ref, k_ref, m_ref, l_ref, o_ref, *, split_len: int, **kw):
-  """q [bm, Dp], k [L, Dp], merged m / l [bm] -> column sums o [split_len] of this split."""
+def _colsum_kernel(len_ref, q_ref, k_ref, m_ref, l_ref, o_ref, *, split_len: int, reduce: str,
+                   **kw):
+  """q [bm, Dp], k [L, Dp], merged m / l [bm] -> column sums (maxima) o [split_len]."""
   rb, sp = pl.program_id(2), pl.program_id(3)
   n = len_ref[()]
   q = q_ref[...]
@@ -84,7 +89,7 @@ def _colsum_kernel(len_ref, q_ref, k_ref, m_ref, l_ref, o_ref, *, split_len: int
   def body(i, carry):
     s = _logits(q, k_ref, start0 + i * bl, n, rb, **kw)
     p = jnp.exp(s - m_use[:, None]) * inv_l[:, None]
-    o_ref[pl.ds(i * bl, bl)] = jnp.sum(p, axis=0)
+    o_ref[pl.ds(i * bl, bl)] = (jnp.max if reduce == "max" else jnp.sum)(p, axis=0)
     return carry
 
   def zeros(i, carry):
@@ -109,18 +114,19 @@ def _check(q_window, k, lengths):
     require(jnp.issubdtype(x.dtype, jnp.floating), f"{name} must be floating, got {x.dtype}")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_m", "block_l", "num_splits",
-                                             "num_warps", "num_stages"))
-def window_scores(q_window: jax.Array, k: jax.Array, lengths: jax.Array, *,
+@functools.partial(jax.jit, static_argnames=("reduce", "interpret", "block_m", "block_l",
+                                             "num_splits", "num_warps", "num_stages"))
+def window_scores(q_window: jax.Array, k: jax.Array, lengths: jax.Array, *, reduce: str = "sum",
                   interpret: bool = False, block_m: int = 128, block_l: int | None = None,
                   num_splits: int | None = None, num_warps: int | None = None,
                   num_stages: int = 2) -> jax.Array:
-  """Window-to-key attention mass, summed over the window and the group.
+  """Window-to-key attention mass, summed (or maxed) over the window and the group.
 
   Args:
     q_window: [B, Hq, W, D] the last W valid queries of each sequence (post-RoPE).
     k: [B, Hkv, L, D] keys (post-RoPE), right-padded.
     lengths: [B] int32 valid prompt lengths.
+    reduce: "sum" | "max" over the W queries and the G heads of the group.
     interpret: run the kernels in Pallas interpret mode (CPU testing).
     block_m: query rows per tile (power of two >= 16); G*W rows are tiled by it.
     block_l: keys per tile (power of two >= 16); None: 8192 // block_m, clamped to [16, 64]
@@ -129,9 +135,11 @@ def window_scores(q_window: jax.Array, k: jax.Array, lengths: jax.Array, *,
     num_warps: Triton warps; None: 4, or 8 for tiles of more than 4096 logits.
     num_stages: Triton software-pipelining stages.
   Returns:
-    [B, Hkv, L] float32, 0 at padding. Equals `rocketkv_jax.evict.window_scores_xla`.
+    [B, Hkv, L] float32, 0 at padding. Equals `rocketkv_jax.evict.window_scores_xla` with the
+    same `reduce`.
   """
   _check(q_window, k, lengths)
+  require(reduce in ("sum", "max"), f"reduce must be one of ['sum', 'max'], got {reduce!r}")
   b, hq, w, d = q_window.shape
   hkv, l = k.shape[1], k.shape[2]
   g = hq // hkv
@@ -178,10 +186,10 @@ def window_scores(q_window: jax.Array, k: jax.Array, lengths: jax.Array, *,
 
   stat_spec = pl.BlockSpec((None, None, None, bm), lambda i, h, rb, s: (i, h, rb, 0))
   out = pl.pallas_call(
-      functools.partial(_colsum_kernel, **kw), grid=grid,
+      functools.partial(_colsum_kernel, reduce=reduce, **kw), grid=grid,
       in_specs=[len_spec, q_spec, k_spec, stat_spec, stat_spec],
       out_specs=pl.BlockSpec((None, None, None, split_len), lambda i, h, rb, s: (i, h, rb, s)),
       out_shape=jax.ShapeDtypeStruct((b, hkv, nrb, ns * split_len), jnp.float32),
       compiler_params=params, interpret=interpret, name="rocketkv_window_col_sums",
   )(lengths, q, k, mx, lsum)
-  return jnp.sum(out, axis=2)[:, :, :l]
+  return (jnp.max if reduce == "max" else jnp.sum)(out, axis=2)[:, :, :l]

@@ -102,16 +102,12 @@ def evict(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
       `window_reduce`.
     lengths: [B] valid prompt lengths (None: all L). A sequence shorter than the budget keeps
       every token.
-    impl: "auto" | "xla" | "pallas" for the window scoring ("pallas" needs
-      `plan.window_reduce == "sum"`; "auto" runs "max" in XLA).
+    impl: "auto" | "xla" | "pallas" for the window scoring (either `window_reduce`).
   Returns:
     A `KVCache` of capacity `plan.capacity` holding min(prompt_budget, lengths[b]) tokens per
     sequence, in position order, with `seen = lengths`.
   """
   check_prefill_inputs(k, v, q_window, plan, lengths)
-  require(impl != "pallas" or plan.window_reduce == "sum",
-          f"impl='pallas' needs window_reduce='sum' (the kernel sums), got "
-          f"{plan.window_reduce!r}")
   b, hkv, l, d = k.shape
   w = q_window.shape[2]
   lengths = jnp.full((b,), l, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
@@ -121,11 +117,11 @@ def evict(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
     return from_kept(k, v, pos, lengths, lengths, plan.capacity, plan.chunk_size)
   def pallas(interpret):
     from rocketkv_jax import kernels  # imported on first use (Pallas is a heavy import)
-    return kernels.window_scores(q_window, k, lengths, interpret=interpret)
+    return kernels.window_scores(q_window, k, lengths, reduce=plan.window_reduce,
+                                 interpret=interpret)
 
   xla = lambda: window_scores_xla(q_window, k, lengths, plan.window_reduce)  # noqa: E731
-  # The Pallas kernel sums; "max" (an option off the paper's path) runs in XLA everywhere.
-  scores = xla() if plan.window_reduce == "max" else _impl.dispatch(impl, xla, pallas)
+  scores = _impl.dispatch(impl, xla, pallas)
   pri = pooled_candidate_scores(scores, lengths, w, plan.kernel_size)
   kpos = jnp.arange(l)[None, None, :]
   keep_all = (lengths <= pb)[:, None, None]

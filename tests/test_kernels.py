@@ -31,7 +31,7 @@ from rocketkv_jax.stage2_quant import slot_logits_xla
 
 # Module-scope jitted references: one compilation per shape instead of op-by-op dispatch.
 sparse_attention_xla = jax.jit(_sparse_xla)
-window_scores_xla = jax.jit(_window_xla)
+window_scores_xla = jax.jit(_window_xla, static_argnums=3)
 approx_chunk_scores_xla = jax.jit(_approx_xla, static_argnums=(4, 5))
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -149,13 +149,16 @@ def test_window_scores_interpret(case):
   q = _normal(rng, (b, hq, w, d), dt)
   k = _normal(rng, (b, hkv, l, d), dt)
   lengths = jnp.array(lengths, jnp.int32)
-  out = kernels.window_scores(q, k, lengths, interpret=True, **kw)
-  ref = window_scores_xla(q, k, lengths)
-  assert out.dtype == jnp.float32
   g = hq // hkv
-  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-5 * g * w)
-  for i in range(b):
-    assert not np.any(np.asarray(out[i, :, int(lengths[i]):]))
+  for reduce, atol in (("sum", 1e-5 * g * w), ("max", 1e-5)):
+    out = kernels.window_scores(q, k, lengths, reduce=reduce, interpret=True, **kw)
+    ref = window_scores_xla(q, k, lengths, reduce)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=atol)
+    for i in range(b):
+      assert not np.any(np.asarray(out[i, :, int(lengths[i]):]))
+  # the two reductions differ (the max is below the sum wherever more than one row sees a key)
+  assert np.any(np.asarray(out) < np.asarray(window_scores_xla(q, k, lengths, "sum")) - 1e-3)
 
 
 # ---------------------------------------------------------------- quant slot logits
@@ -218,6 +221,8 @@ def test_bad_shapes_raise():
                                 chunk_size=2, r=65)
   with pytest.raises(ValueError, match="window"):
     kernels.window_scores(jnp.zeros((1, 8, 17, 64)), k, jnp.zeros((1,), jnp.int32))
+  with pytest.raises(ValueError, match=r"^reduce must be one of \['sum', 'max'\], got 'mean'"):
+    kernels.window_scores(jnp.zeros((1, 8, 4, 64)), k, jnp.zeros((1,), jnp.int32), reduce="mean")
 
 
 # ---------------------------------------------------------------- CUDA lowering
@@ -295,6 +300,9 @@ def test_kernels_lower_for_cuda(model):
     exports[f"window{length}"] = _export_cuda(
         kernels.window_scores, s((b, hq, 32, d), BF16), s((b, hkv, length, d), BF16),
         s((b,), jnp.int32))
+  exports["window32768_max"] = _export_cuda(  # RocketConfig(window_reduce="max")
+      functools.partial(kernels.window_scores, reduce="max"), s((b, hq, 32, d), BF16),
+      s((b, hkv, 32768, d), BF16), s((b,), jnp.int32))
   for name, mods in exports.items():
     assert len(mods) == (2 if name.startswith("window") else 1), name
     for text in mods:
