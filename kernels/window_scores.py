@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from rocketkv_jax._checks import group_size, require, require_rank
+from rocketkv_jax.evict import WINDOW_REDUCE
 
 from ._util import (NEG_INF, cdiv, compiler_params, dot_precision, next_pow2, padded_dim,
                     safe_max)
@@ -139,7 +140,7 @@ def window_scores(q_window: jax.Array, k: jax.Array, lengths: jax.Array, *, redu
     same `reduce`.
   """
   _check(q_window, k, lengths)
-  require(reduce in ("sum", "max"), f"reduce must be one of ['sum', 'max'], got {reduce!r}")
+  require(reduce in WINDOW_REDUCE, f"reduce must be one of {list(WINDOW_REDUCE)}, got {reduce!r}")
   b, hq, w, d = q_window.shape
   hkv, l = k.shape[1], k.shape[2]
   g = hq // hkv
