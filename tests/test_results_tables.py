@@ -248,6 +248,21 @@ def test_compare_pools_a_later_run_of_other_methods(tmp_path, capsys):
       capsys.readouterr().err)
 
 
+def test_pool_joins_gold_fields_that_only_one_run_has():
+  """An old sweep without gold-answer scores and a later run of the same samples with them: the
+  pooled record carries both runs' fields; a record that differs on a shared field is refused."""
+  res, _, _ = _run()
+  full = [r for r in res["records"] if r["method"] == "full"]
+  no_gold = [{k: v for k, v in r.items() if not k.startswith("gold_")} for r in full]
+  pooled = report.pool(dict(res, records=no_gold), [dict(res, records=full)])["records"]
+  assert pooled == full
+  pooled = report.pool(dict(res, records=full), [dict(res, records=no_gold)])["records"]
+  assert pooled == full
+  with pytest.raises(ValueError, match="runs disagree"):
+    report.pool(dict(res, records=no_gold),
+                [dict(res, records=[dict(full[0], tokens=[7])])])
+
+
 def test_targets_checks_issue_13_cells_against_full_kv_and_the_other_methods(tmp_path, capsys):
   """--targets: per cell, the paired difference to full KV (tolerance 5 at 2K, 2 from 4K on), the
   gold log-prob within 0.1 from 4K on, the lowest paired difference to the other methods, and

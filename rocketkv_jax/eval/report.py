@@ -103,21 +103,26 @@ def merge(results: list[dict]) -> dict:
 
 def pool(result: dict, others: list[dict]) -> dict:
   """`result` with the records of `others` (later runs of the same cells, e.g. a new method run
-  beside committed ones with the same seed and samples) that it lacks. A record both hold must be
-  identical -- the check that the later run reproduces the committed one -- else ValueError."""
+  beside committed ones with the same seed and samples) that it lacks. A record both hold must
+  agree on every field both have -- the check that the later run reproduces the committed one --
+  else ValueError; fields only one of them has (the gold-answer scores, which sweeps from before
+  the teacher-forced score lack) are joined into one record."""
   key = lambda x: (x["task"], x["context_len"], x["index"], x["method"], x["budget"],
                    x.get("turn"))
-  have = {key(x): x for x in result["records"]}
+  at = {key(x): i for i, x in enumerate(result["records"])}
   records = list(result["records"])
   for other in others:
     for x in other["records"]:
       k = key(x)
-      if k not in have:
-        have[k] = x
+      if k not in at:
+        at[k] = len(records)
         records.append(x)
-      elif have[k] != x:
+        continue
+      mine = records[at[k]]
+      if any(mine[f] != x[f] for f in mine.keys() & x.keys()):
         raise ValueError(f"runs disagree on {k} (task, length, sample, method, budget, turn): "
                          "pool only runs of the same seed and code")
+      records[at[k]] = {**x, **mine}
   return dict(result, records=records)
 
 
