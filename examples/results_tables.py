@@ -6,7 +6,8 @@
     python examples/results_tables.py --compare full --budget 256 results/results.json
     python examples/results_tables.py results/results.json --compare full --budget 256 \
         --methods rocketkv snapkv
-    python examples/results_tables.py A.json --targets METHOD --budget 256 --with B.json ...
+    python examples/results_tables.py A.json --targets METHOD --budget 256 --with B.json ... \
+        --baselines-from SWEEP.json ...
 
 `claims`: per (task, length), full KV vs RocketKV at B=256, and whether RocketKV is at or above
 every other compressed method (SnapKV, Quest, SparQ, StreamingLLM; the exact_topk oracle is
@@ -25,7 +26,9 @@ StreamingLLM) -- each on the paired point estimate, the 95% interval printed bes
 the records hold exact_topk at B/2 (the oracle that reads top_k = B/2 rows, as RocketKV does,
 from the whole cache with exact scores), its paired difference to full KV is shown too, and
 counted against the same tolerance: where it misses, reading top_k = B/2 rows chosen by exact
-scores over the whole cache does not reach full KV either.
+scores over the whole cache does not reach full KV either. `--baselines-from` pools only the
+other compressed methods' records of a run (the committed sweeps, whose RocketKV and full-KV
+records may come from older code or decode lengths).
 """
 
 import argparse
@@ -209,6 +212,10 @@ def main(argv=None):
                  help="with --compare / --targets: later runs of the same cells (same seed and "
                       "samples) whose other methods join the comparison; records both runs hold "
                       "must be identical")
+  p.add_argument("--baselines-from", dest="baselines", nargs="+", default=[], metavar="JSON",
+                 help="with --targets: runs (e.g. the committed sweeps) of which only the other "
+                      f"compressed methods' records ({', '.join(OTHERS)}) join, so that a sweep "
+                      "whose own RocketKV records are from older code can still be paired")
   a = p.parse_args(argv)
   try:
     if (a.table is not None) + (a.compare is not None) + (a.targets is not None) != 1:
@@ -218,9 +225,15 @@ def main(argv=None):
       raise ValueError("--budget, --methods and --with go with --compare or --targets")
     if a.targets is not None and (a.budget is None or a.methods is not None):
       raise ValueError("--targets needs --budget and takes no --methods")
+    if a.baselines and a.targets is None:
+      raise ValueError("--baselines-from goes with --targets")
     res = _load(a.results)
-    if a.others:
-      res = report.pool(res, [_load(path) for path in a.others])
+    others = [_load(path) for path in a.others]
+    for path in a.baselines:
+      run = _load(path)
+      others.append(dict(run, records=[r for r in run["records"] if r["method"] in OTHERS]))
+    if others:
+      res = report.pool(res, others)
     if a.compare is not None:
       out = report.compare_markdown(res, a.compare, a.methods, a.budget)
     elif a.targets is not None:

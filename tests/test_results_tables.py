@@ -263,6 +263,36 @@ def test_pool_joins_gold_fields_that_only_one_run_has():
                 [dict(res, records=[dict(full[0], tokens=[7])])])
 
 
+def test_baselines_from_pools_only_the_other_compressed_methods(tmp_path, capsys):
+  """--baselines-from: an older sweep whose rocketkv and full records differ from the new run's
+  (other code, other decode length) gives only its SnapKV / Quest / SparQ / StreamingLLM records;
+  the same file through --with is refused."""
+  res, rk, _ = _run()  # rocketkv 60 vs full 70, snapkv 0 (2K, 10 samples)
+  new = dict(res, records=[r for r in res["records"] if r["method"] != "snapkv"])
+  quest = [1.0] * 6 + [0.0] * 4  # quest 60: rocketkv's 60 is tied on the mean
+  sweep = dict(res, records=(
+      [dict(r, tokens=[9]) for r in res["records"] if r["method"] in ("full", "rocketkv")]
+      + [r for r in res["records"] if r["method"] == "snapkv"]
+      + [_rec("quest", 256, i, quest[i]) for i in range(10)]))
+  (tmp_path / "new.json").write_text(json.dumps(new))
+  (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+  with pytest.raises(SystemExit):
+    TABLES["main"]([str(tmp_path / "new.json"), "--targets", "rocketkv", "--budget", "256",
+                    "--with", str(tmp_path / "sweep.json")])
+  assert "runs disagree" in capsys.readouterr().err
+  TABLES["main"]([str(tmp_path / "new.json"), "--targets", "rocketkv", "--budget", "256",
+                  "--baselines-from", str(tmp_path / "sweep.json")])
+  row = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("| passkey"))
+  q = [100 * x for x in stats.paired_bootstrap_diff(rk, quest)]
+  s = [100 * x for x in stats.paired_bootstrap_diff(rk, [0] * 10)]
+  assert min((q, "quest"), (s, "snapkv"))[1] == "quest" and q[0] < s[0]
+  assert row.endswith(f"| quest {q[0]:+.1f} [{q[1]:+.1f}, {q[2]:+.1f}] |")
+  with pytest.raises(SystemExit):
+    TABLES["main"]([str(tmp_path / "new.json"), "--compare", "full", "--budget", "256",
+                    "--baselines-from", str(tmp_path / "sweep.json")])
+  assert "--baselines-from goes with --targets" in capsys.readouterr().err
+
+
 def test_targets_checks_issue_13_cells_against_full_kv_and_the_other_methods(tmp_path, capsys):
   """--targets: per cell, the paired difference to full KV (tolerance 5 at 2K, 2 from 4K on), the
   gold log-prob within 0.1 from 4K on, the lowest paired difference to the other methods, and
