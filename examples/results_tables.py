@@ -211,7 +211,7 @@ def main(argv=None):
   p.add_argument("--with", dest="others", nargs="+", default=[], metavar="JSON",
                  help="with --compare / --targets: later runs of the same cells (same seed and "
                       "samples) whose other methods join the comparison; records both runs hold "
-                      "must be identical")
+                      "must agree on every field both have (gold scores only one has are joined)")
   p.add_argument("--baselines-from", dest="baselines", nargs="+", default=[], metavar="JSON",
                  help="with --targets: runs (e.g. the committed sweeps) of which only the other "
                       f"compressed methods' records ({', '.join(OTHERS)}) join, so that a sweep "
