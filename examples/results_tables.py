@@ -26,9 +26,10 @@ StreamingLLM) -- each on the paired point estimate, the 95% interval printed bes
 the records hold exact_topk at B/2 (the oracle that reads top_k = B/2 rows, as RocketKV does,
 from the whole cache with exact scores), its paired difference to full KV is shown too, and
 counted against the same tolerance: where it misses, reading top_k = B/2 rows chosen by exact
-scores over the whole cache does not reach full KV either. `--baselines-from` pools only the
-other compressed methods' records of a run (the committed sweeps, whose RocketKV and full-KV
-records may come from older code or decode lengths).
+scores over the whole cache does not reach full KV either; the method's gold log-prob is paired
+with that oracle's too (last column), since both read as many exact rows. `--baselines-from`
+pools only the other compressed methods' records of a run (the committed sweeps, whose
+RocketKV and full-KV records may come from older code or decode lengths).
 """
 
 import argparse
@@ -40,6 +41,7 @@ import numpy as np
 from rocketkv_jax.eval import report
 
 OTHERS = ("snapkv", "quest", "sparq", "streamingllm")
+HALF = "exact_topk at B/2"  # the B/2 oracle's records, relabelled to pair with the method at B
 
 
 def per_length(res) -> str:
@@ -124,13 +126,18 @@ def targets(res, method: str, budget: int) -> str:
   agg = report.aggregate(res["records"])
   # The oracle reading B/2 rows (RocketKV's top_k), chosen by exact scores over the whole
   # cache: what reading that many rows gives without stage 1 or approximate scores.
-  half_oracle = {}
+  half_oracle, vs_half = {}, {}
   if any(r["method"] == "exact_topk" and r["budget"] == budget // 2 for r in res["records"]):
     half_oracle = {(r["task"], r["context_len"]): r
                    for r in report.compare(res, "full", ["exact_topk"], budget // 2)}
+    # The method at B paired with that oracle: its records relabelled as a reference at B.
+    half = [dict(r, method=HALF, budget=budget) for r in res["records"]
+            if r["method"] == "exact_topk" and r["budget"] == budget // 2]
+    vs_half = {(r["task"], r["context_len"]): r for r in report.compare(
+        dict(res, records=res["records"] + half), HALF, [method], budget)}
   lines = [f"| task | length | n | full | exact_topk | exact_topk B/2 vs full | {method} | "
            "vs full | within 2 (4K+) / 5 (2K) | gold vs full | gold within 0.1 (4K+) | lowest vs "
-           f"{' / '.join(others) or 'others'} |", "|---" * 12 + "|"]
+           f"{' / '.join(others) or 'others'} | gold vs exact_topk B/2 |", "|---" * 13 + "|"]
   met = collections.Counter()
   cells = collections.Counter()
   skipped = []
@@ -165,11 +172,17 @@ def targets(res, method: str, budget: int) -> str:
     if half is not None:
       cells["half"] += 1
       met["half"] += half["diff"][0] >= -tol
+    gold_half = ""
+    h = vs_half.get((task, length))
+    if h is not None and h["logprob_diff"] is not None:
+      gold_half = _diff(h["logprob_diff"], "{:+.3f}")
+      cells["gold_half"] += 1
+      met["gold_half"] += h["logprob_diff"][0] >= 0
     lines.append(f"| {task} | {label} | {r['n']} | {r['ref']:.1f} | "
                  f"{'-' if exact is None else f'{exact[0]:.1f}'} | "
                  f"{'-' if half is None else _diff(half['diff'])} | {r['score']:.1f} | "
                  f"{_diff(r['diff'])} | {'yes' if near else 'no'} | {gold} | {gold_ok} | "
-                 f"{above} |")
+                 f"{above} | {gold_half} |")
   lines += ["", f"{method} at B={budget}: within 2 / 5 points of full KV in {met['near']} of "
             f"{cells['near']} cells; gold log-prob within 0.1 of full KV in {met['gold']} of "
             f"{cells['gold']} cells at 4K and longer; at or above every other compressed method "
@@ -179,6 +192,9 @@ def targets(res, method: str, budget: int) -> str:
     lines.append(f"exact_topk at B/2 = {budget // 2} (the oracle reading as many rows as "
                  f"top_k = B/2) within 2 / 5 points of full KV in {met['half']} of "
                  f"{cells['half']} cells that have it.")
+  if cells["gold_half"]:
+    lines.append(f"{method}'s gold log-prob at or above that oracle's (paired point estimate) in "
+                 f"{met['gold_half']} of {cells['gold_half']} cells that have both.")
   return "\n".join(lines)
 
 
