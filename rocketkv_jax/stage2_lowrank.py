@@ -1,31 +1,8 @@
 """Stage 2, `stage2="lowrank"`: page-local low-rank key summaries, per-token scores.
 
-After LOCKS ("Page-Local Compact Key Summaries for Efficient Long-Context Decoding", 2026),
-written from the idea. At prefill, the prompt keys stage 1 kept are cut into pages of P slots;
-per page p and KV head, the mean mu_p and the top-R principal directions U_p [D, R] of the
-centred keys (an SVD of the page's [P, D] keys), and per slot the coefficients
-c_i = U_p^T (k_i - mu_p) [R]. Every prompt slot then gets its own approximate logit
-
-    q . k_i  ~  q . mu_p + (U_p^T q) . c_i
-
-for a read of NP * (R + 1) * D basis values and NP * P * R coefficients per KV head, instead of
-one min/max bound per chunk. Softmax (scale 1 / sqrt(D)) over the valid slots per query head,
-summed over the group, then the `top_k` best slots, as every other method.
-
-Decisions (see also the README, "Stage-2 variants"):
-- Centring: yes, per page. Keys share a large common offset (outlier channels, the RoPE'd
-  mean), which an uncentred basis spends its first direction on; the mean costs one row of D
-  values per page and makes the R directions describe how the page's keys differ.
-- The newest, still-filling page: tokens appended while decoding (at most `max_new_tokens`, in
-  slots [n_prompt, n_prompt + max_new_tokens) of each sequence) are never factorised. Their
-  logits are exact, q . k over the full D, from one gather of those W = max_new_tokens rows: an
-  SVD inside the decode step would cost more than the W * D values it saves, and the summaries
-  stay immutable after prefill (the decode step only needs `n_prompt`, which never changes).
-  Tokens appended past the plan's `max_new_tokens` (only by stepping past the plan) fall outside
-  that window and are never selected.
-- Pages tile slots [0, NP * P), NP = ceil((C - W) / P): every slot that can hold a prompt token.
-- The basis and coefficients are stored in the cache's dtype (bf16 for a bf16 cache); scores are
-  computed in float32.
+At prefill, per page of kept prompt slots and KV head: the page mean, its top-R centred key
+directions and per-slot coefficients; each prompt slot is scored from them, decode-time tokens
+exactly. Design and measurements: docs/stage2_variants.md.
 """
 
 from __future__ import annotations

@@ -1,55 +1,9 @@
 """Stage 2, `stage2="quant"`: per-token low-bit key codes, read on the query's r dims.
 
-The paper's chunk bound costs 2 values per dim per chunk of `chunk_size` slots and gives every
-slot of a chunk the same score (issue #13). Here every slot keeps its own key, quantised to
-`bits` bits per dim, so each slot is scored on its own key -- per-token resolution -- for fewer
-bytes than the bounds: on the r dims stage 2 reads, the bounds cost r * 16 / chunk_size bits
-per slot (bf16, chunks of 3 at 32K / B=256: 5.3 r), 4-bit codes 4 r.
-
-Per KV head and dim d, an affine grid fixed at prefill from the keys stage 1 kept:
-`lo_d = min_i k_id`, `step_d = (max_i k_id - lo_d) / (2^bits - 1)` (1 where the keys are
-constant), and each slot's code `c_id = clip(round((k_id - lo_d) / step_d), 0, 2^bits - 1)`.
-The approximate logit of slot i for a query q, on stage 2's r dims (`ops.top_r_dims`) with
-SparQ's temperature (`ops.approx_scale`, as the chunk score), is
-
-    sum_{d in r} q_d * step_d * c_id      (= q_r . k_r up to rounding, minus q_r . lo_r)
-
-The dropped `q_r . lo_r` is the same for every slot of a query head, so the softmax over slots
-(summed over the group) and the `top_k` it picks are those of the dequantised keys. Then exact
-attention on the `top_k` slots, as `minmax`.
-
-Decisions (README, "Stage-2 variants"):
-- Per-channel (per KV head and dim) grids, not per token: keys have outlier channels, and a
-  per-token scale would spend the grid on them (KIVI quantises keys per channel for the same
-  reason); a per-channel grid also makes the dropped offset a per-query constant.
-- The grid is fixed at prefill. Appended tokens are coded on it, clipped to its range: a decode
-  token outside the prompt's range scores as the range's edge. No re-quantisation in the step,
-  so the summaries of earlier slots never change.
-- Layout: codes are dim-major and packed along the slots, `[B, Hkv, D, Nb]` uint8, Nb =
-  ceil(C / per), per = 8 / bits slots per byte, slot i in byte i % Nb at bit (i // Nb) * bits
-  (plane j of a row holds slots [j * Nb, (j + 1) * Nb)). The r dims a query reads are r
-  contiguous rows of C * bits / 8 bytes, as the bounds' r rows; each plane is scored by its own
-  [G, r] x [r, Nb] product and the logits of the planes concatenate in slot order (no shuffle
-  of the codes).
-- Kernels (`impl`): on CUDA the gather of the r code rows, the unpack and the products run in one
-  Pallas kernel (`kernels.quant_slot_logits`), so the unpacked planes never reach memory; the
-  softmax over slots, the group sum and `top_k` stay in XLA, as for the chunk scores.
-- `append` re-codes the byte that holds the new slot from the cache's updated keys (empty slots
-  code 0), without reading the old codes, so XLA updates them in place (as the bounds).
-- Mean-value fill (`RocketConfig.mean_value`, SparQ's "mean value reallocation", Ribar et al.
-  2023, Alg. 1): exact attention over the top_k slots renormalises their weights to 1, as if the
-  unread slots had none. With it, each query head's output is `alpha * attend(top_k) + (1 -
-  alpha) * v_mean`, alpha the mass the codes' softmax (per query head, over the valid slots)
-  puts on the slots read, v_mean the mean value of every kept slot. The codes score every slot
-  on its own key, so alpha is a per-token estimate (the chunk bounds give every slot of a chunk
-  one score). v_mean comes from a running sum (`QuantState.v_sum`, built at prefill, updated by
-  `append_codes`): D floats per KV head, never a pass over V. With a sliding window alpha
-  counts the slots inside it, v_mean every kept slot.
-- Capacity (`RocketConfig.quant_capacity`): "paper" keeps the paper's split. "equal_read"
-  (`equal_read_capacity`) spends the bytes the codes save on stage 1: it keeps as many slots as
-  make the codes' read equal to the paper's bounds' read at the same budget (16-bit bounds, the
-  paper's r), so stage 1 evicts less for the same bytes per step. The cost is memory and
-  scoring work, both counted in the README ("Stage-2 variants").
+Keys are coded on a per-channel affine grid fixed at prefill, stored dim-major and packed; each
+slot is scored on its own codes over the query's r dims, then exact attention on `top_k` slots.
+Also the "equal_read" capacity and the mean-value fill. Design and measurements:
+docs/stage2_variants.md.
 """
 
 from __future__ import annotations

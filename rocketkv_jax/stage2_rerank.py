@@ -1,20 +1,8 @@
 """Stage 2, `stage2="rerank"`: chunk bounds pick candidates, per-token scores pick `top_k`.
 
-The paper's min/max chunk score gives every slot of a chunk the same score, so with chunks of 3
-slots on 64-dim heads the top-k reads whole chunks around a few strong tokens and misses others
-(issue #13). Here the chunk scores only shortlist `M = plan.rerank_candidates` slots (about
-`rerank_factor * top_k`); each candidate is then scored on its own key, on the same r dims:
-
-1. r dims and SparQ's temperature exactly as the chunk score (`select.py`);
-2. candidate scores q_r . k_r (exact on those dims, no sign choice: the keys themselves) from
-   one gather of the M candidate key rows (`cache.k`);
-3. softmax over the candidates per query head (invalid candidates masked), summed over the group;
-4. the `top_k` best candidates (ties to the better chunk score).
-
-In `decode_step` (`decode_attend`) the attention takes the selected K rows from the M candidate
-rows already read, so the step reads the r x NC bounds, M K rows and top_k V rows per KV head
-(minmax: top_k K rows and V rows). M = ceil(1.5 * top_k) keeps that at 1.13x minmax's bytes at
-32K / B=256 / D=128 (README, "Stage-2 variants").
+The chunk scores shortlist `plan.rerank_candidates` slots; each candidate is scored on its own
+key on the same r dims, and the best `top_k` are attended (`decode_attend` reuses the candidate
+K rows). Design and measurements: docs/stage2_variants.md.
 """
 
 from __future__ import annotations
