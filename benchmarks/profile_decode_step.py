@@ -2,14 +2,14 @@
 
 Two steps can be traced:
   * the attention core (default): `rocketkv.decode_step` on the shapes of
-    `benchmarks/decode_attention.py` (Llama-3.1-8B attention), the step the README's "what is
-    left" list was made from;
+    `benchmarks/decode_attention.py` (Llama-3.1-8B attention), the step the "what is left" list
+    of docs/cpu_performance.md was made from;
   * the whole model (`--model`): `models.llama.decode_step` of a checkpoint (`smollm2` for the
     embedded SmolLM2-135M) at `--batch` sequences of `--context` cached tokens, over random
     per-layer K/V built by the method's own `rocketkv.prefill`, with the cache laid out as
     one buffer per layer (`--layout layers`, what `generate` gives full KV) or stacked per run
     of like layers (`--layout stack`, what it gives the other methods). That is how issue #16's
-    8K x 4 full-KV step was traced (README, "Batched throughput").
+    8K x 4 full-KV step was traced (results/throughput/README.md).
 
     python benchmarks/profile_decode_step.py --dtype bfloat16 --context 32768 --budget 256
     python benchmarks/profile_decode_step.py --stage2 quant      # a stage-2 variant's step

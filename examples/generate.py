@@ -8,7 +8,7 @@ side by side. --method, --budget, --chat/--no-chat, --max-new-tokens and --dtype
 demo as to your own prompt; --quick is the demo in short (a ~900-token document, 16 new
 tokens, no full-KV run). --method also takes a variant spec, `NAME:field=value,...`, with the
 grammar and fields of examples/evaluate.py (RocketConfig's fields). On heads below 128 dims
-(SmolLM2's are 64) README "Stage-2 variants" recommends
+(SmolLM2's are 64) docs/stage2_variants.md recommends
 rocketkv:stage2=quant,quant_capacity=equal_read,window_reduce=max for prompts many times the
 budget, and a run of the paper's stage 2 there prints a note saying so. The default stays the
 paper's stage 2 (chunk min/max bounds): that variant misses issue #13's targets in some cells,
@@ -29,7 +29,7 @@ The table at the end:
   KV read per step      tokens whose K/V each decode step attends to (reads, not memory; mean
                         over layers, a dense layer reading its whole cache)
 
-Scaling out (README "Scaling out"): --mesh dp,tp shards the batch over dp and the KV heads
+Scaling out (docs/scaling.md): --mesh dp,tp shards the batch over dp and the KV heads
 over tp (tp must divide the model's KV heads); with --coordinator HOST:PORT --num-processes N
 --process-id I it runs as one of N processes (JAX's distributed runtime, gloo on CPU), each
 started with the same arguments but its own --process-id. Only process 0 prints (the status
@@ -90,8 +90,8 @@ def demo_prompt(paragraphs: int = DEMO_PARAGRAPHS) -> str:
   return "\n\n".join(parts) + f"\n\nQuestion: {_QUESTION}\nAnswer briefly."
 
 
-# README "Stage-2 variants": what keeps a needle's answer on heads below 128 dims, at the same
-# bytes read per step as the paper's stage 2 (issue #13's measurements, results/README.md).
+# docs/stage2_variants.md: what keeps a needle's answer on heads below 128 dims, at the same
+# bytes read per step as the paper's stage 2 (results/stage1_calibration/README.md).
 SMALL_HEADS_SPEC = "rocketkv:stage2=quant,quant_capacity=equal_read,window_reduce=max"
 
 
@@ -103,7 +103,7 @@ def small_heads_note(config: "rocketkv.RocketConfig", head_dim: int) -> str | No
   return (f"note: on {head_dim}-dim heads the paper's chunk min/max bounds can rank a needle's "
           f"chunk below filler at small budgets; on prompts many times the budget, --method "
           f"{SMALL_HEADS_SPEC} kept more answers at the same bytes read per step in our "
-          "held-out runs (README \"Stage-2 variants\")")
+          "held-out runs (docs/stage2_variants.md)")
 
 
 class UsageError(ValueError):
@@ -140,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--quick", action="store_true",
                  help=f"the demo in short: {QUICK_PARAGRAPHS} paragraphs, {QUICK_NEW_TOKENS} "
                       "new tokens, no full-KV run (what CI runs)")
-  dist = p.add_argument_group("scaling out (README: Scaling out)")
+  dist = p.add_argument_group("scaling out (docs/scaling.md)")
   dist.add_argument("--mesh", default=None, metavar="DP,TP",
                     help="shard over a dp x tp device mesh: the batch over dp, the KV heads over "
                          "tp (tp must divide the model's KV heads); dp * tp = all devices when "

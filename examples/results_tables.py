@@ -1,8 +1,8 @@
-"""The tables of results/README.md and README.md, from a merged results JSON.
+"""The tables of results/sweep.md and docs/evaluation.md, from a merged results JSON.
 
     python examples/results_tables.py results/results.json per-length   # per-length sections
     python examples/results_tables.py results/results.json claims       # issue #5's two checks
-    python examples/results_tables.py results/results.json means        # README.md's summary
+    python examples/results_tables.py results/results.json means        # the summary in docs/evaluation.md
     python examples/results_tables.py --compare full --budget 256 results/results.json
     python examples/results_tables.py results/results.json --compare full --budget 256 \
         --methods rocketkv snapkv

@@ -51,7 +51,7 @@ def sparse_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, idx: jax.Arra
   """
   # The gathered rows are converted to float32 as they are gathered (one fused op): the two
   # small products then run in f32, which on XLA:CPU was faster than bf16 x bf16 -> f32 (see
-  # the README's decode benchmark), and the probabilities stay in f32.
+  # docs/cpu_performance.md), and the probabilities stay in f32.
   k_sel = gather_rows(k, idx).astype(jnp.float32)
   v_sel = gather_rows(v, idx).astype(jnp.float32)
   out = _softmax_combine(group_queries(q, k.shape[1]).astype(jnp.float32), k_sel, v_sel, valid)

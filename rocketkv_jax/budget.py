@@ -14,7 +14,7 @@ T = prompt_len + max_new_tokens,
     chunk_size = min(floor(cr2), ceil(sqrt(cr2)))
     r = int(D * chunk_size / cr2), clamped to [1, D]   (truncated, as the original code does)
 
-Decisions where the formula is silent (documented here and in the README):
+Decisions where the formula is silent (documented here and in docs/design.md):
 - capacity never exceeds T (no compression is ever an expansion).
 - prompt_budget is at least the window (stage 1 always keeps the window) and at most the prompt:
   when the prompt fits, everything is kept and capacity = prompt_len + max_new_tokens.

@@ -13,7 +13,7 @@ tables simply have no gold section. A per-(task, length) gold table averages the
 values over samples (each sample weighs the same, whatever its answer's length).
 
 `compare` gives the paired differences to a reference method (e.g. full KV) at one budget, for
-exact match and gold log-prob, with paired-bootstrap intervals (the README's claims).
+exact match and gold log-prob, with paired-bootstrap intervals (the claims in docs/evaluation.md).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ gives either way.
 Multi-turn: three needles, one in each third of the haystack in a random order, and one
 question per turn in the niah_single form (prefix at the end of the user message).
 
-Why each form was chosen (the SmolLM2-135M full-KV measurements behind them): results/README.md,
+Why each form was chosen (the SmolLM2-135M full-KV measurements behind them): results/sweep.md,
 "Task design notes".
 
 Tokenizer interface used here (satisfied by `rocketkv.models.Tokenizer`):
