@@ -9,16 +9,11 @@ reference path.
 - `sparse_attention`: flash-decoding over gathered slots (== attend.sparse_attention_xla).
 - `window_scores`: stage-1 SnapKV window scores (== evict.window_scores_xla).
 - `quant_slot_logits`: `stage2="quant"` per-slot logits from the packed key codes
-  (== stage2_quant.slot_logits_xla); interpret-mode tested and lowered for CUDA, not yet
-  compiled or timed on a GPU.
+  (== stage2_quant.slot_logits_xla).
 
-Status: compiled and timed on an NVIDIA H200 (jax 0.11.2, results/kernels_h200.md). At
-Llama-3.1-8B shapes every kernel equals the XLA path at precision highest: error below 5e-7 in
-fp32 (bf16: the output rounding), with the same selected slots. Decode step (select+attend,
-bf16) took 44-147 us, 1.00-1.28x faster than the XLA path. That is fixed-cost-bound: at most 11%
-of the measured read bandwidth. Window scores ran 1.4-1.6x faster than XLA at 17-28% of peak.
-Block sizes, split counts and warps are static keyword arguments with untuned defaults;
-`benchmarks/kernels.py` checks and times them. fp32 operands use IEEE fp32 (never TF32).
+Status, correctness on a GPU and timings: docs/kernels.md. Block sizes, split counts and warps
+are static keyword arguments with untuned defaults; `benchmarks/kernels.py` checks and times
+them. fp32 operands use IEEE fp32 (never TF32).
 jax 0.11 deprecates the Pallas Triton backend.
 """
 

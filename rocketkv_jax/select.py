@@ -223,8 +223,5 @@ def approx_scores(q: jax.Array, cache: KVCache, r: int, *, impl: str = "auto") -
 
 def top_chunk_slots(chunk_scores: jax.Array, cache: KVCache, k: int,
                     sliding_window: int | None = None) -> jax.Array:
-  """The k best valid slots of `cache` when every slot takes its chunk's score `[B, Hkv, NC]`.
-
-  (A variant for prefix-valid caches with four fewer ops, same slots in the same order, was
-  removed: the 32K / B=256 decode step did not get measurably faster.)"""
+  """The k best valid slots of `cache` when every slot takes its chunk's score `[B, Hkv, NC]`."""
   return top_slots(chunk_scores, valid_slots(cache, sliding_window), cache.chunk_size, k)

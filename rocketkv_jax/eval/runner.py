@@ -20,7 +20,7 @@ capacity=L + max_new)`, zeros past L). The methods whose cache is every prompt t
 layer (full KV, exact top-k, Quest, SparQ: `keeps_prompt_in_place`) then build it over the prompt
 K/V's own buffers, which their programs take donated and hand back (`_full_stack`); the evicting
 methods read the prompt's slots and build their smaller caches beside them. One batch thus holds
-one full-size copy of its K/V, not two (issue #16 item 2). What a full-prompt program leaves at
+one full-size copy of its K/V, not two. What a full-prompt program leaves at
 and past each sequence's length (its new tokens) is scratch: every method masks those slots,
 as it masks a ragged batch's padding (tests/test_runner_programs.py checks the records).
 
