@@ -176,7 +176,7 @@ def _full_stack(k, v, lengths, plan) -> llama.LayerStack:
   """Every layer's `full_cache(k[i], v[i], C, chunk_size, lengths)` as one stacked group, from
   prompt K/V `[N, B, Hkv, C, D]` that already have the plan's capacity C: zeroing the slots at
   and past each length is an element-wise pass that XLA runs in the (donated) argument buffers,
-  so the cache costs no second copy of the K/V (issue #16 item 2: the prompt K/V and the cache
+  so the cache costs no second copy of the K/V (the prompt K/V and the cache
   built from them were 2 of the ~3.5 caches resident in an 8K sweep). The chunk summaries are
   made layer by layer (a scan), as `_build_stack` does: made for the whole stack at once, XLA:CPU
   transposes SparQ's dim-major key copy through a buffer of another layout, half a cache more.
@@ -201,7 +201,7 @@ def _method_cache(k, v, qw, lengths, plan, scan_layers: bool, in_place: bool = F
   or per-layer states with `scan_layers=False` (unrolled; the same numbers). `in_place`: over
   the prompt K/V's buffers (`_full_stack`; `keeps_prompt_in_place` must hold)."""
   # The eval programs decode over a `LayerStack`: the KV method's ops compiled once, not once
-  # per layer (issue #16: ~300 MB of machine code per program unrolled); the same numbers.
+  # per layer (~300 MB of machine code per program unrolled); the same numbers.
   if in_place:
     cache = _full_stack(k, v, lengths, plan)
   else:
@@ -242,7 +242,7 @@ def _gold_scores_impl(params, k, v, qw, lengths, first_logits, ids, *, config, p
 
   Its own program, run before the decode program, rather than a second loop inside it: two
   loops over one freshly built cache made XLA keep a copy of the cache for each loop next to
-  the built one (2.5 caches of temporaries for full KV; issue #16 item 2), while two programs
+  the built one (2.5 caches of temporaries for full KV), while two programs
   called one after the other each hold one."""
   cache = _method_cache(k, v, qw, lengths, plan, scan_layers, in_place)
   params = compute_params(params)
@@ -339,7 +339,7 @@ class Runner:
     top-k, Quest, SparQ: `keeps_prompt_in_place`) decode in the prompt K/V's own buffers:
     `decode` donates `pp.k` / `pp.v` to their programs and puts the buffers they hand back in
     their place (the prompt's slots unchanged, every slot at or past a sequence's length
-    scratch, which no method reads). One cache of K/V per batch instead of two (issue #16)."""
+    scratch, which no method reads). One cache of K/V per batch instead of two."""
     tokens = np.asarray(tokens, np.int32)
     lengths = np.asarray(lengths, np.int32)
     if tokens.ndim != 2 or lengths.shape != (tokens.shape[0],):
