@@ -1,7 +1,7 @@
 """Stage-1 screen: how often each (layer, KV head) keeps every digit of the gold number, under
 candidate reductions of the window's probabilities, at equal_read's capacity (prompt passes
 only, no decoding). Run on the calibration family only (niah_multikey), to pick which rule to
-calibrate (results/README, "Calibration, adopted: stage 1 reduces the window by its max").
+calibrate (results/stage1_calibration/README.md, "Calibration, adopted: stage 1 reduces the window by its max").
 
     python results/stage1_calibration/retention_screen.py niah_multikey 4096 20 128,256
 """
