@@ -1,4 +1,10 @@
 import os
+import sys
+
+# `python -m pytest` puts the repo root on sys.path, where our top-level kernels/ would shadow
+# the PyPI package `kernels` that transformers imports; the project is imported as installed.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
