@@ -58,11 +58,11 @@ def test_memory_estimate_of_the_8b_rows():
   assert est(32768, 1, "rocketkv") < 50
 
 
-@pytest.mark.parametrize("spec, kernel", [
-    ("rocketkv", "rocketkv_approx_chunk_logits"),
-    (_module().SMALL_HEADS, "rocketkv_quant_slot_logits"),
+@pytest.mark.parametrize("spec, kernels", [
+    ("rocketkv", ("rocketkv_fused_chunk_scores", "rocketkv_fused_select_attend")),
+    (_module().SMALL_HEADS, ("rocketkv_quant_slot_logits", "rocketkv_sparse_attention")),
 ])
-def test_8b_decode_step_exports_for_cuda_with_the_kernels(spec, kernel, monkeypatch):
+def test_8b_decode_step_exports_for_cuda_with_the_kernels(spec, kernels, monkeypatch):
   # bf16 weights compute in bf16 on a GPU; this CPU would trace an fp32 upcast (precision.py)
   monkeypatch.setenv("ROCKETKV_NATIVE_BF16", "1")
   config = _module().model_config(tiny=False)
@@ -80,5 +80,5 @@ def test_8b_decode_step_exports_for_cuda_with_the_kernels(spec, kernel, monkeypa
                           params, cache, lengths, lengths)
   text = exp.mlir_module()
   assert text.count(TRITON) >= 2
-  assert kernel in text and "rocketkv_sparse_attention" in text
+  assert all(name in text for name in kernels)
   assert exp.in_avals[0].dtype == jnp.bfloat16 and exp.out_avals[0].shape == (b, 128256)

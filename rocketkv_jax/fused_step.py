@@ -1,0 +1,47 @@
+"""RocketKV's decode-time select + attend (the paper's stage 2), fused on a GPU.
+
+`select_attend(q, cache, plan)` = `attend(q, cache, approx_select(q, cache, plan))`. Under
+`impl="auto"` on CUDA and `impl="pallas"` it runs the two kernels of
+`kernels/fused_decode.py` (chunk scores; selection + attention) instead of the chain of small
+ops around the two unfused kernels; `impl="xla"` and every other platform under "auto" run the
+XLA chain. Caches the fused kernels do not take (a sliding window, a head dim that is not a
+power of two >= 16) run the unfused chain with the same `impl`.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from rocketkv_jax import _impl
+from rocketkv_jax.attend import attend
+from rocketkv_jax.cache import KVCache
+from rocketkv_jax.select import check_chunks, check_query
+
+
+def select_attend(q: jax.Array, cache: KVCache, plan, *, sliding_window: int | None = None,
+                  impl: str = "auto") -> jax.Array:
+  """Attention of `q [B, Hq, D]` over the `plan.top_k` slots of `cache` (already holding the
+  query's token) that RocketKV's approximate chunk scores pick. Returns [B, Hq, D] in q's
+  dtype."""
+  from rocketkv_jax.methods.sparq import approx_select  # methods import this module
+
+  check_query(q, cache)
+  check_chunks(cache, plan.chunk_size)
+  _impl.check(impl)
+
+  def chain(which):
+    idx = approx_select(q, cache, plan, sliding_window=sliding_window, impl=which)
+    return attend(q, cache, idx, sliding_window=sliding_window, impl=which)
+
+  from rocketkv_jax.kernels._util import padded_dim
+  d = cache.k.shape[-1]
+  if impl == "xla" or sliding_window is not None or d != padded_dim(d):
+    return chain(impl)
+
+  def pallas(interpret):
+    from rocketkv_jax.kernels import fused_decode  # imported on first use (Pallas is heavy)
+    return fused_decode.fused_select_attend(
+        q, cache.k, cache.v, cache.bounds, cache.length, chunk_size=cache.chunk_size, r=plan.r,
+        top_k=min(plan.top_k, cache.capacity), interpret=interpret)
+
+  return _impl.dispatch(impl, lambda: chain("xla"), pallas)
