@@ -121,11 +121,18 @@ def _select_attend_kernel(len_ref, s_ref, q_ref, k_ref, v_ref, *out_refs, top_k:
     c = i * block + jnp.arange(block)
     return c, lax.bitcast_convert_type(s_ref[pl.ds(i * block, block)], jnp.int32)
 
-  def count(pred):  # valid slots of the chunks where pred(c, bits)
-    def body(i, acc):
-      c, bits = scores(i, block_s)
-      return acc + jnp.sum(jnp.where(pred(c, bits), valid_in(c), 0))
-    return lax.fori_loop(0, num_scan, body, jnp.int32(0))
+  if num_scan == 1:  # all NCp scores held in registers: each count below is register work
+    c_all, bits_all = scores(0, block_s)
+    vc_all = valid_in(c_all)
+
+    def count(pred):  # valid slots of the chunks where pred(c, bits)
+      return jnp.sum(jnp.where(pred(c_all, bits_all), vc_all, 0))
+  else:
+    def count(pred):
+      def body(i, acc):
+        c, bits = scores(i, block_s)
+        return acc + jnp.sum(jnp.where(pred(c, bits), valid_in(c), 0))
+      return lax.fori_loop(0, num_scan, body, jnp.int32(0))
 
   def bisect_t(_, lohi):  # smallest t with count(bits > t) <= top_k
     lo, hi = lohi
@@ -228,11 +235,11 @@ def _chunk_scores(q, bounds, lens, *, chunk_size, r, block_c, interpret, params)
   """Kernel 1: q [B, Hq, D], bounds [B, Hkv, 2D or D, NC], lens [B, 1] -> [B, Hkv, NCp] f32."""
   b, hq, d = q.shape
   hkv, rows, nc = bounds.shape[1:]
-  ncp = cdiv(nc, block_c) * block_c
+  ncp = max(block_c, next_pow2(nc))
   lspec, qspec, sspec = _specs(hq, d, ncp)
   return pl.pallas_call(
       functools.partial(_scores_kernel, d=d, r=r, group=hq // hkv, chunk_size=chunk_size,
-                        num_chunks=nc, block_c=block_c, num_blocks=ncp // block_c,
+                        num_chunks=nc, block_c=block_c, num_blocks=cdiv(nc, block_c),
                         two_sided=rows == 2 * d),
       grid=(b, hkv),
       in_specs=[lspec, qspec, pl.BlockSpec((None, None, rows, nc), lambda i, j: (i, j, 0, 0))],
@@ -242,11 +249,12 @@ def _chunk_scores(q, bounds, lens, *, chunk_size, r, block_c, interpret, params)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "r", "top_k", "interpret",
-                                             "block_c", "block_a", "return_taken",
+                                             "block_c", "block_a", "block_s", "return_taken",
                                              "num_warps", "num_stages"))
 def fused_select_attend(q: jax.Array, k: jax.Array, v: jax.Array, bounds: jax.Array,
                         length: jax.Array, *, chunk_size: int, r: int, top_k: int,
-                        interpret: bool = False, block_c: int = 64, block_a: int = 32,
+                        interpret: bool = False, block_c: int = 64, block_a: int = 128,
+                        block_s: int = 8192,
                         return_taken: bool = False, num_warps: int = 4, num_stages: int = 2):
   """RocketKV's stage 2 and attention for one decode query: two kernels.
 
@@ -259,7 +267,9 @@ def fused_select_attend(q: jax.Array, k: jax.Array, v: jax.Array, bounds: jax.Ar
     chunk_size, r, top_k: the plan's (top_k <= C).
     interpret: Pallas interpret mode (CPU testing).
     block_c: chunks per block of the scoring kernel; block_a: chunks per block of the
-      attention loop (powers of two >= 16).
+      attention loop; block_s: chunk scores held in registers by the selection (8192 fp32 over
+      4 warps: 64 registers a thread); more are re-read from L2 in blocks of block_s on every
+      bisection step. Powers of two >= 16.
     return_taken: also return the slots taken per chunk, [B, Hkv, NC] int32 (tests).
     num_warps, num_stages: Triton launch parameters.
   Returns:
@@ -267,15 +277,16 @@ def fused_select_attend(q: jax.Array, k: jax.Array, v: jax.Array, bounds: jax.Ar
     with no valid slot. With `return_taken`, (out, taken).
   """
   _check(q, k, v, bounds, length, chunk_size, r, top_k)
-  for name, blk in (("block_c", block_c), ("block_a", block_a)):
+  for name, blk in (("block_c", block_c), ("block_a", block_a), ("block_s", block_s)):
     require(blk >= 16 and blk == next_pow2(blk), f"{name} must be a power of two >= 16, got {blk}")
   b, hq, d = q.shape
   hkv, c = k.shape[1], k.shape[2]
   g = hq // hkv
   nc = bounds.shape[3]
   bc = max(16, min(block_c, next_pow2(nc)))
-  ba = max(16, min(block_a, bc))
-  ncp = cdiv(nc, bc) * bc
+  ncp = max(bc, next_pow2(nc))  # scores padded to a power of two (the tail counts 0 slots)
+  ba = max(16, min(block_a, ncp))
+  bs = min(ncp, block_s)
   lens = length.astype(jnp.int32).reshape(b, 1)
   params = compiler_params(num_warps, num_stages)
   scores = _chunk_scores(q, bounds, lens, chunk_size=chunk_size, r=r, block_c=bc,
@@ -291,7 +302,7 @@ def fused_select_attend(q: jax.Array, k: jax.Array, v: jax.Array, bounds: jax.Ar
     out_specs.append(sspec)
   outs = pl.pallas_call(
       functools.partial(_select_attend_kernel, top_k=top_k, chunk_size=chunk_size,
-                        num_chunks=nc, block_s=bc, num_scan=ncp // bc, block_a=ba, group=g,
+                        num_chunks=nc, block_s=bs, num_scan=ncp // bs, block_a=ba, group=g,
                         scale=1.0 / math.sqrt(d), qk_precision=dot_precision(cdt),
                         pv_precision=dot_precision(v.dtype)),
       grid=(b, hkv), in_specs=[lspec, sspec, qspec, kv_spec, kv_spec],
