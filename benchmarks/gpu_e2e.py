@@ -201,6 +201,8 @@ def main(argv=None) -> int:
   args.batches = args.batches or ([2] if args.tiny else [1, 8])
   args.budget = args.budget or (64 if args.tiny else BUDGET)
 
+  # the parent holds no more than its context: each row's process allocates what it needs
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   import jax
   import rocketkv_jax  # noqa: F401  (its XLA:CPU flag before the backend starts)
   config = model_config(args.tiny)
