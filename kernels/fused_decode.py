@@ -47,11 +47,43 @@ _INF_BITS = 0x7F800000  # int32 bits of +inf: every finite score >= 0 has bits b
 
 def _rows(ref, rows, start, block: int, ncols: int):
   """Rows `rows [R]` (-1: not loaded) of columns [start, start + block) of `ref [N, ncols]`
-  (columns past ncols load 0): [R, block] float32."""
+  (columns past ncols load 0): [R, block] in ref's dtype."""
   cols = start + jnp.arange(block)
   at = (jnp.maximum(rows, 0)[:, None], jnp.minimum(cols, ncols - 1)[None, :])
-  tile = plgpu.load(ref.at[at], mask=(rows >= 0)[:, None] & (cols < ncols)[None, :], other=0)
-  return tile.astype(jnp.float32)
+  return plgpu.load(ref.at[at], mask=(rows >= 0)[:, None] & (cols < ncols)[None, :], other=0)
+
+
+def _top_r(q_ref, d: int, r: int, group: int):
+  """This KV head's G query rows (f32 [D] each), the top-r dims mask [D] (by |q| summed over the
+  group, ties to the lower dim, as `lax.top_k`), and each row on those dims times SparQ's scale
+  1 / sqrt(D * sum|q_r| / sum|q|) (`ops.approx_scale`)."""
+  h = pl.program_id(1)
+  qs = [q_ref[h * group + g, :].astype(jnp.float32) for g in range(group)]  # G x [D]
+  a = functools.reduce(jnp.add, [jnp.abs(x) for x in qs])  # [D] |q| summed over the group
+  dim = jnp.arange(d)
+  before = (a[None, :] > a[:, None]) | ((a[None, :] == a[:, None]) & (dim[None, :] < dim[:, None]))
+  keep = jnp.sum(before.astype(jnp.int32), axis=1) < r  # [D]: one of the top-r dims
+  qr = []
+  for x in qs:
+    kx = jnp.where(keep, x, 0.0)
+    frac = jnp.sum(jnp.abs(kx)) / jnp.maximum(jnp.sum(jnp.abs(x)), 1e-30)
+    qr.append(kx * lax.rsqrt(jnp.float32(d) * jnp.where(frac > 0, frac, 1.0)))
+  return qs, keep, qr
+
+
+def _softmax_stats(carry, logits):
+  """Running (max, sum of exp) per query head updated with one block of logits per head."""
+  out = []
+  for (m, l), x in zip(carry, logits):
+    m_new = jnp.maximum(m, jnp.max(x))
+    out.append((m_new, l * jnp.exp(m - safe_max(m_new)) + jnp.sum(jnp.exp(x - safe_max(m_new)))))
+  return tuple(out)
+
+
+def _group_prob(logits, stats):
+  """sum over the group of softmax probabilities, from the logits and the final stats."""
+  return functools.reduce(jnp.add, [jnp.exp(x - safe_max(m)) / jnp.maximum(l, 1e-30)
+                                    for x, (m, l) in zip(logits, stats)])
 
 
 def _scores_kernel(len_ref, q_ref, b_ref, s_ref, *, d: int, r: int, group: int,
@@ -60,44 +92,66 @@ def _scores_kernel(len_ref, q_ref, b_ref, s_ref, *, d: int, r: int, group: int,
   """len [1] int32; q [Hq, D] (this sequence's queries); bounds [2D or D, NC] (this KV head)
   -> s [NCp] f32 group-summed softmax scores of the chunks, 0 for chunks with no valid slot."""
   length = len_ref[0]
-  h = pl.program_id(1)
-  qs = [q_ref[h * group + g, :].astype(jnp.float32) for g in range(group)]  # G x [D]
-  a = functools.reduce(jnp.add, [jnp.abs(x) for x in qs])  # [D] |q| summed over the group
+  qs, keep, qr = _top_r(q_ref, d, r, group)
   dim = jnp.arange(d)
-  before = (a[None, :] > a[:, None]) | ((a[None, :] == a[:, None]) & (dim[None, :] < dim[:, None]))
-  keep = jnp.sum(before.astype(jnp.int32), axis=1) < r  # [D]: one of the top-r dims
   rows = dim
   if two_sided:  # kmax row (D + d) where the group-summed q_d > 0
     rows = dim + d * (functools.reduce(jnp.add, qs) > 0).astype(jnp.int32)
   rows = jnp.where(keep, rows, -1)
-  qr = []
-  for x in qs:  # q on the kept dims times 1 / sqrt(D * sum|q_r| / sum|q|)
-    kx = jnp.where(keep, x, 0.0)
-    frac = jnp.sum(jnp.abs(kx)) / jnp.maximum(jnp.sum(jnp.abs(x)), 1e-30)
-    qr.append(kx * lax.rsqrt(jnp.float32(d) * jnp.where(frac > 0, frac, 1.0)))
 
   def logits(i):
-    tile = _rows(b_ref, rows, i * block_c, block_c, num_chunks)  # [D, block_c], r rows read
+    tile = _rows(b_ref, rows, i * block_c, block_c, num_chunks).astype(jnp.float32)  # [D, bc]
     c = i * block_c + jnp.arange(block_c)
     ok = (c * chunk_size < length) & (c < num_chunks)
     return ok, [jnp.where(ok, jnp.sum(tile * x[:, None], axis=0), NEG_INF) for x in qr]
 
-  def stats(i, carry):  # running max and sum of exp per query head
-    _, lg = logits(i)
-    out = []
-    for (m, l), x in zip(carry, lg):
-      m_new = jnp.maximum(m, jnp.max(x))
-      out.append((m_new, l * jnp.exp(m - safe_max(m_new)) + jnp.sum(jnp.exp(x - safe_max(m_new)))))
-    return tuple(out)
-
   init = tuple((jnp.float32(NEG_INF), jnp.float32(0.0)) for _ in range(group))
-  ms = lax.fori_loop(0, num_blocks, stats, init)
+  stats = lax.fori_loop(0, num_blocks, lambda i, st: _softmax_stats(st, logits(i)[1]), init)
 
   def write(i, _):
     ok, lg = logits(i)
-    p = functools.reduce(jnp.add, [jnp.exp(x - safe_max(m)) / jnp.maximum(l, 1e-30)
-                                   for x, (m, l) in zip(lg, ms)])
-    s_ref[pl.ds(i * block_c, block_c)] = jnp.where(ok, p, 0.0)
+    s_ref[pl.ds(i * block_c, block_c)] = jnp.where(ok, _group_prob(lg, stats), 0.0)
+    return 0
+
+  lax.fori_loop(0, num_blocks, write, 0)
+
+
+def _quant_scores_kernel(len_ref, q_ref, step_ref, codes_ref, s_ref, *, d: int, r: int,
+                         group: int, bits: int, num_bytes: int, block_n: int, num_blocks: int):
+  """`stage2="quant"`'s kernel 1. len [1]; q [Hq, D]; step [D] f32 grid steps; codes [D, Nb]
+  uint8 (slot i: byte i % Nb, bits (i // Nb) * bits) -> s [Cp] f32 group-summed softmax of the
+  slots' logits (`stage2_quant.slot_logits_xla`), 0 for invalid slots, in slot order."""
+  length = len_ref[0]
+  _, keep, qr = _top_r(q_ref, d, r, group)
+  step = step_ref[...].astype(jnp.float32)
+  qr = [x * step for x in qr]
+  rows = jnp.where(keep, jnp.arange(d), -1)
+  per, mask = 8 // bits, 2 ** bits - 1
+
+  def logits(i):  # per plane j: (slots ok [block_n], G x logits [block_n])
+    tile = _rows(codes_ref, rows, i * block_n, block_n, num_bytes).astype(jnp.int32)
+    col = i * block_n + jnp.arange(block_n)
+    out = []
+    for j in range(per):
+      plane = ((tile >> (j * bits)) & mask).astype(jnp.float32)  # [D, block_n]
+      ok = (col < num_bytes) & (j * num_bytes + col < length)
+      out.append((ok, [jnp.where(ok, jnp.sum(plane * x[:, None], axis=0), NEG_INF)
+                       for x in qr]))
+    return out
+
+  def stats(i, st):
+    for _, lg in logits(i):
+      st = _softmax_stats(st, lg)
+    return st
+
+  init = tuple((jnp.float32(NEG_INF), jnp.float32(0.0)) for _ in range(group))
+  st = lax.fori_loop(0, num_blocks, stats, init)
+
+  def write(i, _):
+    col = i * block_n + jnp.arange(block_n)
+    for j, (ok, lg) in enumerate(logits(i)):
+      plgpu.store(s_ref.at[pl.ds(j * num_bytes + i * block_n, block_n)],
+                  jnp.where(ok, _group_prob(lg, st), 0.0), mask=col < num_bytes)
     return 0
 
   lax.fori_loop(0, num_blocks, write, 0)
@@ -279,20 +333,28 @@ def fused_select_attend(q: jax.Array, k: jax.Array, v: jax.Array, bounds: jax.Ar
   _check(q, k, v, bounds, length, chunk_size, r, top_k)
   for name, blk in (("block_c", block_c), ("block_a", block_a), ("block_s", block_s)):
     require(blk >= 16 and blk == next_pow2(blk), f"{name} must be a power of two >= 16, got {blk}")
-  b, hq, d = q.shape
-  hkv, c = k.shape[1], k.shape[2]
-  g = hq // hkv
+  b = q.shape[0]
   nc = bounds.shape[3]
   bc = max(16, min(block_c, next_pow2(nc)))
-  ncp = max(bc, next_pow2(nc))  # scores padded to a power of two (the tail counts 0 slots)
-  ba = max(16, min(block_a, ncp))
-  bs = min(ncp, block_s)
   lens = length.astype(jnp.int32).reshape(b, 1)
   params = compiler_params(num_warps, num_stages)
+  # [B, Hkv, NCp] float32, NCp = a power of two >= NC (the tail counts 0 slots)
   scores = _chunk_scores(q, bounds, lens, chunk_size=chunk_size, r=r, block_c=bc,
-                         interpret=interpret, params=params)  # [B, Hkv, NCp] float32
-  lspec, qspec, sspec = _specs(hq, d, ncp)
+                         interpret=interpret, params=params)
+  return _attend(lens, scores, q, k, v, top_k=top_k, chunk_size=chunk_size, num_chunks=nc,
+                 block_a=block_a, block_s=block_s, return_taken=return_taken, interpret=interpret,
+                 params=params)
 
+
+def _attend(lens, scores, q, k, v, *, top_k, chunk_size, num_chunks, block_a, block_s,
+            return_taken, interpret, params):
+  """Kernel 2 over kernel 1's scores [B, Hkv, NCp] (NCp a power of two >= num_chunks)."""
+  b, hq, d = q.shape
+  hkv, c = k.shape[1], k.shape[2]
+  ncp = scores.shape[2]
+  ba = max(16, min(block_a, ncp))
+  bs = min(ncp, block_s)
+  lspec, qspec, sspec = _specs(hq, d, ncp)
   cdt = jnp.promote_types(q.dtype, k.dtype)
   kv_spec = pl.BlockSpec((None, None, c, d), lambda i, j: (i, j, 0, 0))
   out_shape = [jax.ShapeDtypeStruct((b, hq, d), q.dtype)]
@@ -302,13 +364,62 @@ def fused_select_attend(q: jax.Array, k: jax.Array, v: jax.Array, bounds: jax.Ar
     out_specs.append(sspec)
   outs = pl.pallas_call(
       functools.partial(_select_attend_kernel, top_k=top_k, chunk_size=chunk_size,
-                        num_chunks=nc, block_s=bs, num_scan=ncp // bs, block_a=ba, group=g,
-                        scale=1.0 / math.sqrt(d), qk_precision=dot_precision(cdt),
-                        pv_precision=dot_precision(v.dtype)),
+                        num_chunks=num_chunks, block_s=bs, num_scan=ncp // bs, block_a=ba,
+                        group=hq // hkv, scale=1.0 / math.sqrt(d),
+                        qk_precision=dot_precision(cdt), pv_precision=dot_precision(v.dtype)),
       grid=(b, hkv), in_specs=[lspec, sspec, qspec, kv_spec, kv_spec],
       out_specs=out_specs, out_shape=out_shape,
       compiler_params=params, interpret=interpret, name="rocketkv_fused_select_attend",
   )(lens, scores, q.astype(cdt), k, v)
   if return_taken:
-    return outs[0], outs[1][..., :nc]
+    return outs[0], outs[1][..., :num_chunks]
   return outs[0]
+
+
+@functools.partial(jax.jit, static_argnames=("r", "bits", "top_k", "interpret", "block_n",
+                                             "block_a", "block_s", "return_taken", "num_warps",
+                                             "num_stages"))
+def fused_quant_attend(q: jax.Array, k: jax.Array, v: jax.Array, codes: jax.Array,
+                       step: jax.Array, length: jax.Array, *, r: int, bits: int, top_k: int,
+                       interpret: bool = False, block_n: int = 64, block_a: int = 128,
+                       block_s: int = 8192, return_taken: bool = False, num_warps: int = 4,
+                       num_stages: int = 2):
+  """`stage2="quant"`'s select + attend (no mean-value fill) in two kernels: the slots' scores
+  from their key codes (kernel 1 for codes), then kernel 2 with chunks of one slot.
+
+  Args:
+    q: [B, Hq, D]; k, v: [B, Hkv, C, D] the cache; codes: [B, Hkv, D, Nb] uint8 and step:
+      [B, Hkv, D] float32 (`QuantState.codes`, `.step`); length: [B] valid slots.
+    r, bits, top_k: the plan's r, the codes' bits, min(top_k, C).
+    block_n: code bytes per block of kernel 1; the rest as `fused_select_attend`.
+  Returns:
+    [B, Hq, D] in q's dtype: `attend(q, cache, select_quant(...))`; with `return_taken`, also
+    [B, Hkv, C] int32, 1 where a slot was taken.
+  """
+  require_rank("codes", codes, 4, "[B, Hkv, D, Nb]")
+  b, hq, d = q.shape
+  hkv, c = k.shape[1], k.shape[2]
+  nb = codes.shape[3]
+  per = 8 // bits
+  require(bits in (1, 2, 4, 8) and codes.dtype == jnp.uint8 and codes.shape[:3] == (b, hkv, d)
+          and c <= nb * per and step.shape == (b, hkv, d),
+          f"codes [B, Hkv, D, Nb] uint8 of {bits}-bit codes for C={c} slots and step [B, Hkv, D] "
+          f"disagree with q {q.shape}: codes {codes.shape} {codes.dtype}, step {step.shape}")
+  _check(q, k, v, jax.ShapeDtypeStruct((b, hkv, d, c), jnp.int8), length, 1, r, top_k)
+  bn = max(16, min(block_n, next_pow2(nb)))
+  ncp = next_pow2(per * nb + bn)  # plane j's slots start at j * Nb; room for the last block
+  lens = length.astype(jnp.int32).reshape(b, 1)
+  params = compiler_params(num_warps, num_stages)
+  lspec, qspec, sspec = _specs(hq, d, ncp)
+  scores = pl.pallas_call(
+      functools.partial(_quant_scores_kernel, d=d, r=r, group=hq // hkv, bits=bits,
+                        num_bytes=nb, block_n=bn, num_blocks=cdiv(nb, bn)),
+      grid=(b, hkv),
+      in_specs=[lspec, qspec, pl.BlockSpec((None, None, d), lambda i, j: (i, j, 0)),
+                pl.BlockSpec((None, None, d, nb), lambda i, j: (i, j, 0, 0))],
+      out_specs=sspec, out_shape=jax.ShapeDtypeStruct((b, hkv, ncp), jnp.float32),
+      compiler_params=params, interpret=interpret, name="rocketkv_fused_quant_scores",
+  )(lens, q, step, codes)
+  return _attend(lens, scores, q, k, v, top_k=top_k, chunk_size=1, num_chunks=c,
+                 block_a=block_a, block_s=block_s, return_taken=return_taken,
+                 interpret=interpret, params=params)

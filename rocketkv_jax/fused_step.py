@@ -1,11 +1,12 @@
-"""RocketKV's decode-time select + attend (the paper's stage 2), fused on a GPU.
+"""RocketKV's decode-time select + attend, fused on a GPU.
 
-`select_attend(q, cache, plan)` = `attend(q, cache, approx_select(q, cache, plan))`. Under
+`select_attend(q, cache, plan)` = `attend(q, cache, approx_select(q, cache, plan))` (the paper's
+stage 2); `quant_attend(q, state, plan)` = `stage2_quant.decode_attend` (stage2="quant"). Under
 `impl="auto"` on CUDA and `impl="pallas"` it runs the two kernels of
 `kernels/fused_decode.py` (chunk scores; selection + attention) instead of the chain of small
 ops around the two unfused kernels; `impl="xla"` and every other platform under "auto" run the
 XLA chain. Caches the fused kernels do not take (a sliding window, a head dim that is not a
-power of two >= 16) run the unfused chain with the same `impl`.
+power of two >= 16; for "quant" also `mean_value`) run the unfused chain with the same `impl`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,33 @@ def select_attend(q: jax.Array, cache: KVCache, plan, *, sliding_window: int | N
     from rocketkv_jax.kernels import fused_decode  # imported on first use (Pallas is heavy)
     return fused_decode.fused_select_attend(
         q, cache.k, cache.v, cache.bounds, cache.length, chunk_size=cache.chunk_size, r=plan.r,
+        top_k=min(plan.top_k, cache.capacity), interpret=interpret)
+
+  return _impl.dispatch(impl, lambda: chain("xla"), pallas)
+
+
+def quant_attend(q: jax.Array, state, plan, *, sliding_window: int | None = None,
+                 impl: str = "auto") -> jax.Array:
+  """`stage2_quant.decode_attend(q, state, plan)` (state: the `QuantState` after the step's
+  append), as two kernels where `impl` and the state allow. Returns [B, Hq, D] in q's dtype."""
+  from rocketkv_jax import stage2_quant
+  from rocketkv_jax.kernels._util import padded_dim
+
+  _impl.check(impl)
+
+  def chain(which):
+    return stage2_quant.decode_attend(q, state, plan, sliding_window=sliding_window, impl=which)
+
+  cache = state.cache
+  d = cache.k.shape[-1]
+  if impl == "xla" or sliding_window is not None or plan.mean_value or d != padded_dim(d):
+    return chain(impl)
+  check_query(q, cache)
+
+  def pallas(interpret):
+    from rocketkv_jax.kernels import fused_decode  # imported on first use (Pallas is heavy)
+    return fused_decode.fused_quant_attend(
+        q, cache.k, cache.v, state.codes, state.step, cache.length, r=plan.r, bits=state.bits,
         top_k=min(plan.top_k, cache.capacity), interpret=interpret)
 
   return _impl.dispatch(impl, lambda: chain("xla"), pallas)

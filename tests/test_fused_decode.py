@@ -112,3 +112,31 @@ def test_bad_inputs_raise():
   with pytest.raises(ValueError, match="power of two"):
     fused_decode.fused_select_attend(z(b, hq, 12), z(b, hkv, c, 12), z(b, hkv, c, 12),
                                      z(b, hkv, 24, 4), length, top_k=4, **kw)
+
+
+@pytest.mark.parametrize("bits, dtype", [(4, F32), (2, BF16)])
+def test_fused_quant_equals_xla(bits, dtype):
+  """stage2="quant": the slots' scores from their codes (kernel 1 for codes), kernel 2 with
+  chunks of one slot; the same slots as `select_quant` (lax.top_k over the slots) and output."""
+  from rocketkv_jax import stage2_quant
+  b, hq, hkv, d, prompt = 2, 8, 2, 32, 96
+  rng = np.random.default_rng(5)
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=32, window_size=4, stage2="quant",
+                                             quant_bits=bits, quant_capacity="equal_read",
+                                             window_reduce="max"), prompt, 4, d)
+  k, v = (jnp.asarray(rng.standard_normal((b, hkv, prompt, d)), dtype) for _ in range(2))
+  qw = jnp.asarray(rng.standard_normal((b, hq, 4, d)), dtype)
+  state = rocketkv.prefill(k, v, qw, plan, lengths=jnp.array([96, 41], jnp.int32), impl="xla")
+  q = jnp.asarray(rng.standard_normal((b, hq, d)), dtype)
+  cache = state.cache
+  top_k = min(plan.top_k, cache.capacity)
+  out, taken = fused_decode.fused_quant_attend(
+      q, cache.k, cache.v, state.codes, state.step, cache.length, r=plan.r, bits=bits,
+      top_k=top_k, interpret=True, return_taken=True, block_n=16)
+  idx = jax.jit(functools.partial(stage2_quant.select_quant, plan=plan, impl="xla"))(q, state)
+  assert _taken_sets(taken, 1) == _slot_sets(idx, cache.length)
+  ref = jax.jit(functools.partial(stage2_quant.decode_attend, plan=plan, impl="xla"))(q, state)
+  tol = dict(rtol=1e-4, atol=1e-5) if dtype == F32 else dict(rtol=2e-2, atol=2e-2)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **tol)
+  assert _pallas_calls(functools.partial(fused_step.quant_attend, plan=plan, impl="pallas"),
+                       q, state) == (4, True)

@@ -60,7 +60,7 @@ def test_memory_estimate_of_the_8b_rows():
 
 @pytest.mark.parametrize("spec, kernels", [
     ("rocketkv", ("rocketkv_fused_chunk_scores", "rocketkv_fused_select_attend")),
-    (_module().SMALL_HEADS, ("rocketkv_quant_slot_logits", "rocketkv_sparse_attention")),
+    (_module().SMALL_HEADS, ("rocketkv_fused_quant_scores", "rocketkv_fused_select_attend")),
 ])
 def test_8b_decode_step_exports_for_cuda_with_the_kernels(spec, kernels, monkeypatch):
   # bf16 weights compute in bf16 on a GPU; this CPU would trace an fp32 upcast (precision.py)

@@ -113,9 +113,9 @@ class RocketKV(Method):
     if plan.stage2 == "rerank":  # attends from the candidate K rows it read (stage2_rerank.py)
       return (stage2_rerank.decode_attend(q, new, plan, sliding_window=sliding_window,
                                           impl=impl), new_state)
-    if plan.stage2 == "quant":  # with its mean-value fill where the plan asks (stage2_quant.py)
-      return (stage2_quant.decode_attend(q, new_state, plan, sliding_window=sliding_window,
-                                         impl=impl), new_state)
+    if plan.stage2 == "quant":  # two kernels on a GPU, but with the mean-value fill (fused_step.py)
+      return (fused_step.quant_attend(q, new_state, plan, sliding_window=sliding_window,
+                                      impl=impl), new_state)
     if plan.stage2 == "minmax":  # two kernels on a GPU (fused_step.py)
       return (fused_step.select_attend(q, new, plan, sliding_window=sliding_window, impl=impl),
               new_state)
