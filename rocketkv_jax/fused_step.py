@@ -19,6 +19,11 @@ from rocketkv_jax.cache import KVCache
 from rocketkv_jax.select import check_chunks, check_query
 
 
+def _fusable(head_dim: int) -> bool:
+  """The fused kernels hold whole K / V rows as Triton tensors: a power of two >= 16."""
+  return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def select_attend(q: jax.Array, cache: KVCache, plan, *, sliding_window: int | None = None,
                   impl: str = "auto") -> jax.Array:
   """Attention of `q [B, Hq, D]` over the `plan.top_k` slots of `cache` (already holding the
@@ -34,9 +39,7 @@ def select_attend(q: jax.Array, cache: KVCache, plan, *, sliding_window: int | N
     idx = approx_select(q, cache, plan, sliding_window=sliding_window, impl=which)
     return attend(q, cache, idx, sliding_window=sliding_window, impl=which)
 
-  from rocketkv_jax.kernels._util import padded_dim
-  d = cache.k.shape[-1]
-  if impl == "xla" or sliding_window is not None or d != padded_dim(d):
+  if impl == "xla" or sliding_window is not None or not _fusable(cache.k.shape[-1]):
     return chain(impl)
 
   def pallas(interpret):
@@ -53,7 +56,6 @@ def quant_attend(q: jax.Array, state, plan, *, sliding_window: int | None = None
   """`stage2_quant.decode_attend(q, state, plan)` (state: the `QuantState` after the step's
   append), as two kernels where `impl` and the state allow. Returns [B, Hq, D] in q's dtype."""
   from rocketkv_jax import stage2_quant
-  from rocketkv_jax.kernels._util import padded_dim
 
   _impl.check(impl)
 
@@ -61,8 +63,8 @@ def quant_attend(q: jax.Array, state, plan, *, sliding_window: int | None = None
     return stage2_quant.decode_attend(q, state, plan, sliding_window=sliding_window, impl=which)
 
   cache = state.cache
-  d = cache.k.shape[-1]
-  if impl == "xla" or sliding_window is not None or plan.mean_value or d != padded_dim(d):
+  if (impl == "xla" or sliding_window is not None or plan.mean_value
+      or not _fusable(cache.k.shape[-1])):
     return chain(impl)
   check_query(q, cache)
 

@@ -71,9 +71,9 @@ def test_fused_equals_xla(case):
   top_k = min(plan.top_k, cache.capacity)
   out, taken = fused_decode.fused_select_attend(
       q, cache.k, cache.v, cache.bounds, cache.length, chunk_size=cache.chunk_size, r=plan.r,
-      # several chunk blocks; the first case re-reads the scores in blocks on every count
+      # several chunk blocks; the last case re-reads the scores in blocks on every count
       top_k=top_k, interpret=True, return_taken=True, block_c=16,
-      block_s=16 if case is CASES[0] else 8192)
+      block_s=16 if case is CASES[-1] else 8192)
   ref, idx = _xla(q, cache, plan)
   sets = _taken_sets(taken, cache.chunk_size)
   assert sets == _slot_sets(idx, cache.length)
