@@ -6,25 +6,30 @@ partition and scatter, clip / mask / encode the slots, attention kernel, split-K
 H200 that chain costs ~45 us per layer for ~1 MB read, whatever the context
 (results/kernels_h200.md): launches, not bytes. Here it is two kernels, grid (batch, KV head):
 
-1. `chunk_scores`: the top-r dims by |q| summed over the group (as ranks: dim d is kept when
+1. `rocketkv_fused_chunk_scores`: the top-r dims by |q| summed over the group (as ranks: dim d is kept when
    fewer than r dims come before it, ties to the lower dim, as `lax.top_k`), each dim's bound
    row (kmax where the group-summed q > 0, else kmin), SparQ's scale, the chunk logits from just
    those r rows of `bounds`, the masked softmax per query head and the group sum: two passes over
    the chunks (running max / sum, then the scores; the second reads the same r rows again, from
    L2). Writes `scores [B, Hkv, NCp]` fp32 (4 bytes per chunk).
-2. `select_attend`: the selection of `select.top_slots` without a sort: the first `top_k` valid
+2. `rocketkv_fused_select_attend`: the selection of `select.top_slots` without a sort: the first `top_k` valid
    slots in (score desc, chunk asc, slot asc) order are the valid slots of the chunks whose score
    bits exceed a threshold t*, then of the chunks scoring exactly t* below a chunk index i*, then
    the first `partial` valid slots of chunk i*. t* and i* come from two bisections over the
    scores (scores are >= 0, so their int32 bit patterns order like the floats), each step a count
    of valid slots. Then one pass over the chunks in blocks: for each slot offset j < chunk_size,
    the selected slots' K / V rows are loaded with a row mask (unselected rows issue no memory
-   reads), and an online softmax accumulates the G query heads (padded to 16 rows for the
+   reads), and an online softmax accumulates the G query heads (repeated to the 16 rows of a
    tensor-core dot). Writes the output rows [G, D] of its KV head straight into `[B, Hq, D]`.
 
-Only prefix-valid caches (no sliding window) take this path; `rocketkv_jax.fused` decides.
-Both kernels equal the XLA path: `select.approx_bounds_scores_xla`, `select.top_slots` and
-`attend.sparse_attention_xla` (tests/test_fused_decode.py).
+`stage2="quant"` swaps kernel 1 for `rocketkv_fused_quant_scores` (every slot scored from its
+packed key codes, `stage2_quant.slot_logits_xla`, then the same softmax and group sum) and runs
+kernel 2 with chunks of one slot (`fused_quant_attend`).
+
+Only prefix-valid caches (no sliding window) take this path; `rocketkv_jax.fused_step` decides.
+The kernels equal the XLA path: `select.approx_bounds_scores_xla` + `select.top_slots` (or
+`stage2_quant.select_quant`) + `attend.sparse_attention_xla`, the same slots
+(tests/test_fused_decode.py). The expected H200 floor is in docs/gpu.md.
 """
 
 from __future__ import annotations
