@@ -32,8 +32,8 @@ def _exported(impl, platform):
 @pytest.mark.parametrize("impl", ["pallas", "auto"])
 def test_exported_for_cuda_has_the_triton_kernels(impl):
   text = _exported(impl, "cuda")
-  assert text.count(TRITON) == 2  # stage-2 scores + sparse attention
-  assert "rocketkv_approx_chunk_logits" in text and "rocketkv_sparse_attention" in text
+  assert text.count(TRITON) == 2  # the fused stage 2: chunk scores, then select + attend
+  assert "rocketkv_fused_chunk_scores" in text and "rocketkv_fused_select_attend" in text
 
 
 @pytest.mark.parametrize("impl", ["pallas", "auto", "xla"])

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from rocketkv_jax import stage2_lowrank, stage2_quant, stage2_rerank, stage2_state
+from rocketkv_jax import fused_step, stage2_lowrank, stage2_quant, stage2_rerank, stage2_state
 from rocketkv_jax._checks import require, require_int
 from rocketkv_jax.attend import attend, attend_dense_before_append
 from rocketkv_jax.budget import paper_split
@@ -113,9 +113,12 @@ class RocketKV(Method):
     if plan.stage2 == "rerank":  # attends from the candidate K rows it read (stage2_rerank.py)
       return (stage2_rerank.decode_attend(q, new, plan, sliding_window=sliding_window,
                                           impl=impl), new_state)
-    if plan.stage2 == "quant":  # with its mean-value fill where the plan asks (stage2_quant.py)
-      return (stage2_quant.decode_attend(q, new_state, plan, sliding_window=sliding_window,
-                                         impl=impl), new_state)
+    if plan.stage2 == "quant":  # two kernels on a GPU, but with the mean-value fill (fused_step.py)
+      return (fused_step.quant_attend(q, new_state, plan, sliding_window=sliding_window,
+                                      impl=impl), new_state)
+    if plan.stage2 == "minmax":  # two kernels on a GPU (fused_step.py)
+      return (fused_step.select_attend(q, new, plan, sliding_window=sliding_window, impl=impl),
+              new_state)
     idx = stage2_select(q, new_state, plan, sliding_window=sliding_window, impl=impl)
     return attend(q, new, idx, sliding_window=sliding_window, impl=impl), new_state
 
