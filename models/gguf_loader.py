@@ -1,4 +1,4 @@
-"""Loading llama.cpp GGUF files (Llama-architecture: Llama 2/3, SmolLM2, Mistral).
+"""Loading llama.cpp GGUF files (architecture "llama": Llama 2/3, SmolLM2, Mistral; "gemma3").
 
 The `gguf` package memory-maps the file and dequantises one tensor at a time (any of its
 quantisation types: Q4_0/Q4_1/Q8_0/K-quants/F16/...), so reads are lazy and per tensor.
@@ -7,6 +7,12 @@ RoPE layout to the interleaved one; `unpermute_rope_rows` undoes it. Llama 3.1 s
 GGUF stores as a `rope_freqs` tensor of per-frequency divisors, becomes
 `ModelConfig.rope_freq_factors`. GGUF has no sliding-window field for the llama architecture,
 so Mistral v0.1 GGUFs load without the window (as llama.cpp runs them).
+
+Gemma 3 (`gemma3`): llama.cpp's converter stores every norm weight as 1 + w (its RMSNorm is a
+plain x * weight) -- how our params hold them too, so they load as they are (transformers' GGUF
+loader subtracts the 1 again); q / k rows are not permuted (NeoX RoPE). GGUF has no layer
+pattern, RoPE local base or query scale: llama.cpp's own values are used (every 6th layer full,
+local base 10000, query scale key_length ** -0.5, the 27B's hidden / heads).
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ _LAYER_MAP = {
     "wo": "attn_output", "mlp_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up",
     "w_down": "ffn_down",
 }
+_GEMMA_LAYER_MAP = dict(_LAYER_MAP, q_norm="attn_q_norm", k_norm="attn_k_norm",
+                        post_attn_norm="post_attention_norm", post_mlp_norm="post_ffw_norm")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3")
 
 
 def _field_value(field) -> Any:
@@ -80,11 +89,11 @@ def read_metadata(reader) -> dict[str, Any]:
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
   arch = meta.get("general.architecture")
-  if arch != "llama":
+  if arch not in SUPPORTED_GGUF_ARCHITECTURES:
     raise ValueError(
-        f"GGUF architecture {arch!r} is not supported; allowed: ('llama',) "
+        f"GGUF architecture {arch!r} is not supported; allowed: {SUPPORTED_GGUF_ARCHITECTURES} "
         "(llama.cpp stores Llama, SmolLM2 and Mistral as 'llama')")
-  p = lambda k, d=None: meta.get(f"llama.{k}", d)
+  p = lambda k, d=None: meta.get(f"{arch}.{k}", d)
   hidden = p("embedding_length")
   heads = p("attention.head_count")
   head_dim = p("attention.key_length") or hidden // heads
@@ -102,6 +111,21 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
     factors = tuple(float(x) for x in np.asarray(tensors["rope_freqs.weight"].data).reshape(-1))
   vocab = p("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
   eos = meta.get("tokenizer.ggml.eos_token_id")
+  gemma = {}
+  if arch == "gemma3":
+    n = p("block_count")
+    pattern = p("attention.sliding_window_pattern", 6)  # an int, or one bool per layer
+    sliding = (list(pattern) if isinstance(pattern, list)
+               else [bool((i + 1) % pattern) for i in range(n)])
+    gemma = dict(
+        architecture="gemma3", sliding_window=p("attention.sliding_window"),
+        layer_types=tuple("sliding_attention" if x else "full_attention" for x in sliding),
+        rope_local_theta=10000.0,
+        # llama.cpp: key_length ** -0.5, but hidden / heads for the 27B (62 layers)
+        query_pre_attn_scalar=float(hidden // heads if n == 62 else head_dim),
+        final_logit_softcap=p("final_logit_softcapping"))
+    if p("attn_logit_softcapping") is not None:
+      raise ValueError("GGUF gemma3 attn_logit_softcapping is not supported (None in Gemma 3)")
   return ModelConfig(
       vocab_size=vocab,
       hidden_size=hidden,
@@ -115,10 +139,10 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
       rope_scaling=scaling,
       max_position_embeddings=p("context_length", 4096),
       tie_word_embeddings="output.weight" not in tensors,
-      architecture="llama",
       bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
       eos_token_ids=() if eos is None else (eos,),
       rope_freq_factors=factors,
+      **(gemma or dict(architecture="llama")),
   )
 
 
@@ -183,9 +207,9 @@ def load_gguf_params(reader, config: ModelConfig, dtype=jnp.float32, shardings=N
   params["layers"] = []
   for i in range(config.num_layers):
     layer = {}
-    for key, gname in _LAYER_MAP.items():
-      heads = {"wq": config.num_heads, "wk": config.num_kv_heads}.get(key)
-      transpose = key not in ("attn_norm", "mlp_norm")
+    for key, gname in (_GEMMA_LAYER_MAP if config.gemma else _LAYER_MAP).items():
+      heads = None if config.gemma else {"wq": config.num_heads, "wk": config.num_kv_heads}.get(key)
+      transpose = not key.endswith("norm")
       w = get(f"blk.{i}.{gname}.weight", shapes["layers"][i][key], transpose, heads)
       layer[key] = place(w, sh["layers"][i][key] if sh else None)
     params["layers"].append(layer)

@@ -1,0 +1,144 @@
+"""Gemma 3 against transformers' Gemma3ForCausalLM on a tiny random checkpoint
+(`model_fixtures.GEMMA3_TINY`: sliding, full, sliding layers, window 8 < the prompts, GQA 2:1),
+and its hybrid layers: bounded sliding-layer caches, the KV method on the full layer only."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import rocketkv_jax as rocketkv
+import rocketkv_jax.models as M
+from rocketkv_jax.eval.runner import Runner
+from rocketkv_jax.models import llama
+from rocketkv_jax.models.config import ModelConfig
+from model_fixtures import GEMMA3_TINY, gemma3_checkpoint, random_tokens
+
+
+def _prompts():
+  toks = random_tokens(2, 40, seed=5)
+  return [toks[0].tolist(), toks[1, :27].tolist()]  # right padding: 40 and 27 tokens
+
+
+def _hf_greedy(ref_model, prompt, n):
+  ref_model.generation_config.eos_token_id = None
+  with torch.no_grad():
+    out = ref_model.generate(torch.tensor([prompt], dtype=torch.long), max_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+  return out[0, len(prompt):].tolist()
+
+
+def test_logits_match_transformers():
+  path, ref = gemma3_checkpoint()
+  model = M.load(path)
+  assert model.config.window_layers == (0, 2) and model.config.layer_window(1) is None
+  tokens = random_tokens(2, 40, seed=1)
+  ours = np.asarray(model.logits(tokens, block_size=16))
+  with torch.no_grad():
+    want = ref(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  np.testing.assert_allclose(ours, want, atol=1e-4, rtol=0)
+  # the window matters past 8 tokens (so the parity above covers it)
+  wide = dataclasses.replace(model.config, sliding_window=64)
+  other = np.asarray(M.Model(wide, model.params).logits(tokens, block_size=16))
+  assert np.abs(other[:, 20:] - ours[:, 20:]).max() > 1e-2
+
+
+def test_prefill_logits_on_a_ragged_batch_match_transformers():
+  path, ref = gemma3_checkpoint()
+  model = M.load(path)
+  tokens = random_tokens(2, 40, seed=4)
+  lengths = np.array([40, 27], np.int32)
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=16, method="rocketkv", window_size=4),
+                       40, 4, model.config.head_dim)
+  logits, _ = llama.prefill(model.params, jnp.asarray(tokens), jnp.asarray(lengths),
+                            config=model.config, plan=plan, block_size=16)
+  for b, n in enumerate(lengths):
+    with torch.no_grad():
+      want = ref(torch.tensor(tokens[b:b + 1, :n], dtype=torch.long)).logits[0, -1].numpy()
+    np.testing.assert_allclose(np.asarray(logits[b]), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("method,budget", [("full", 256), ("rocketkv", 256)])
+def test_greedy_generate_matches_transformers(method, budget):
+  """Full KV, and RocketKV with a budget that keeps and selects every token: transformers'
+  tokens, 24 of them (three windows' worth) past prompts of 40 and 27."""
+  path, ref = gemma3_checkpoint()
+  model = M.load(path)
+  prompts = _prompts()
+  res = rocketkv.generate(model, prompts, method=method, token_budget=budget, max_new_tokens=24,
+                          eos_token_ids=())
+  for prompt, got in zip(prompts, res.tokens):
+    assert got == _hf_greedy(ref, prompt, 24)
+
+
+def test_every_method_runs_and_stats_report_the_bounded_layers():
+  path, _ = gemma3_checkpoint()
+  model = M.load(path)
+  prompts = _prompts()
+  for method in rocketkv.METHODS:
+    rcfg = rocketkv.RocketConfig(token_budget=16, method=method, window_size=4, page_size=4)
+    st = rocketkv.generate(model, prompts, rocket_config=rcfg, max_new_tokens=5,
+                           eos_token_ids=()).stats
+    assert st["new_tokens"] == [5, 5], method
+    kept, read = st["kv_tokens_kept_per_layer"], st["kv_tokens_read_per_layer"]
+    assert kept[0] == kept[2] == 8 and read[0] == read[2] == 8, (method, kept, read)
+    if method in ("snapkv", "rocketkv", "streamingllm"):  # stage 1 on the full layer only
+      assert kept[1] <= st["plan"].prompt_budget < 40, (method, kept)
+
+
+def test_sliding_layer_cache_does_not_grow_with_the_prompt():
+  """A sliding layer's state is window + new tokens whatever the prompt length; the full
+  layer's follows the method's plan."""
+  path, _ = gemma3_checkpoint()
+  model = M.load(path)
+  sizes = {}
+  for length in (24, 96):
+    tokens = jnp.asarray(random_tokens(1, length, seed=2))
+    plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=512, method="full"), length, 6,
+                         model.config.head_dim)
+    _, cache = llama.prefill(model.params, tokens, jnp.asarray([length], jnp.int32),
+                             config=model.config, plan=plan)
+    sizes[length] = [c.capacity for c in cache]
+  assert sizes[24][0] == sizes[96][0] == sizes[24][2] == sizes[96][2] == 8 + 6
+  assert sizes[24][1] == 24 + 6 and sizes[96][1] == 96 + 6
+  res = rocketkv.generate(model, [random_tokens(1, 96, seed=2)[0].tolist()], method="full",
+                          max_new_tokens=6, eos_token_ids=())
+  per_token = model.config.num_kv_heads * model.config.head_dim * 2 * 4  # K and V, fp32
+  assert res.stats["kv_cache_bytes"] >= per_token * (2 * (8 + 6) + 96 + 6)
+  assert res.stats["kv_cache_bytes"] < per_token * 3 * (96 + 6)
+
+
+def test_eval_runner_decodes_as_generate():
+  path, _ = gemma3_checkpoint()
+  model = M.load(path)
+  prompts = _prompts()
+  tokens = np.zeros((2, 40), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  runner = Runner(model, window_size=4, eos_token_ids=())
+  pp = runner.prompt_pass(tokens, np.array([40, 27], np.int32), capacity=40 + 6)
+  for method in ("full", "rocketkv"):
+    out = runner.decode(pp, method, 16, 6)[0]
+    want = rocketkv.generate(model, prompts, rocket_config=runner.rocket_config(method, 16),
+                             max_new_tokens=6, eos_token_ids=(), pad_to=40).tokens
+    assert out == want, method
+
+
+def test_config_forms_and_errors():
+  base = dict(GEMMA3_TINY, model_type="gemma3_text")
+  text = ModelConfig.from_hf(base)
+  multimodal = ModelConfig.from_hf({"model_type": "gemma3", "text_config": base})
+  assert multimodal == text
+  classic = dict(base, rope_theta=1e6, rope_local_base_freq=1e4,
+                 rope_scaling={"rope_type": "linear", "factor": 2.0})
+  classic.pop("rope_parameters")
+  assert ModelConfig.from_hf(classic) == text
+  pattern = dict(base, num_hidden_layers=12, sliding_window_pattern=6)
+  pattern.pop("layer_types")
+  assert ModelConfig.from_hf(pattern).window_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
+  with pytest.raises(ValueError, match="attn_logit_softcapping"):
+    ModelConfig.from_hf(dict(base, attn_logit_softcapping=50.0))
+  with pytest.raises(ValueError, match="layer_types"):
+    dataclasses.replace(text, layer_types=("full_attention",))
