@@ -4,6 +4,7 @@ numbers saved in tests/data/gemma3_270m_reference.npz by tests/data/make_gemma3_
 
 import importlib.util
 import os
+import sys
 import time
 
 import numpy as np
@@ -57,3 +58,18 @@ def test_greedy_tokens_match_transformers():
   res = rocketkv.generate(_model(), [ref["prompt_ids"].tolist()], method="full",
                           max_new_tokens=len(ref["greedy"]), eos_token_ids=())
   assert res.tokens[0] == ref["greedy"].tolist()
+
+
+def test_example_demo_is_a_passkey_document_to_complete():
+  """`examples/generate.py --model gemma3`: a base model's demo, in completion form."""
+  import importlib.util as util
+
+  spec = util.spec_from_file_location(
+      "generate_example", os.path.join(os.path.dirname(__file__), "..", "examples", "generate.py"))
+  example = util.module_from_spec(spec)
+  sys.modules[spec.name] = example  # its dataclasses look their module up
+  spec.loader.exec_module(example)
+  job = example.prepare(example._parser().parse_args(["--model", "gemma3"]))
+  text = job.tokenizer.decode(job.ids)
+  assert 2000 < len(job.ids) < 3000 and text.endswith("What is the pass key? The pass key is")
+  assert "<start_of_turn>" not in text and job.methods == ["rocketkv", "full"]
