@@ -7,7 +7,8 @@
 Modules: `config` (ModelConfig), `rope`, `attention` (blockwise causal prefill), `llama`
 (the pure network: forward / prefill / decode_step), `hf_loader`, `gguf_loader`, `tokenizer`,
 `checkpoint` (orbax), `sharding` (the dp / tp mesh), `distributed` (multi-process start-up),
-`api` (load / load_config / Model / smollm2_path / gemma3_path).
+`api` (load / load_config / Model / smollm2_path / gemma3_path), `nnx_model` (the decoder as
+a Flax NNX module whose `nnx.split` state drives the jitted programs).
 """
 
 from rocketkv_jax.models.api import Model, gemma3_path, load, load_config, smollm2_path

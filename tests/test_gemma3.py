@@ -121,3 +121,37 @@ def test_config_forms_and_errors():
     ModelConfig.from_hf(dict(base, attn_logit_softcapping=50.0))
   with pytest.raises(ValueError, match="layer_types"):
     dataclasses.replace(text, layer_types=("full_attention",))
+
+
+def test_nnx_module_split_state_drives_the_jitted_programs():
+  """`models.nnx_model.CausalLM`: its logits are the port's, and the state from `nnx.split`
+  drives jitted prefill + decode steps to the tokens of `generate`."""
+  import jax
+  from flax import nnx
+
+  from rocketkv_jax.models.nnx_model import CausalLM, params_from_state
+
+  path, _ = gemma3_checkpoint()
+  model = M.load(path)
+  module = CausalLM.from_model(model)
+  tokens = random_tokens(1, 24, seed=6)
+  np.testing.assert_allclose(np.asarray(module(jnp.asarray(tokens), block_size=16)),
+                             np.asarray(model.logits(tokens, block_size=16)), atol=1e-6)
+  graphdef, state = nnx.split(module)
+  config = nnx.merge(graphdef, state).config
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=16, method="rocketkv", window_size=4),
+                       24, 6, config.head_dim)
+  prefill = jax.jit(lambda s, t, n: llama.prefill(params_from_state(s), t, n, config=config,
+                                                  plan=plan))
+  step = jax.jit(lambda s, c, t, p: llama.decode_step(params_from_state(s), c, t, p,
+                                                      config=config, plan=plan))
+  lengths = jnp.asarray([24], jnp.int32)
+  logits, cache = prefill(state, jnp.asarray(tokens), lengths)
+  out = [int(jnp.argmax(logits[0]))]
+  for t in range(5):
+    logits, cache = step(state, cache, jnp.asarray(out[-1:], jnp.int32), lengths + t)
+    out.append(int(jnp.argmax(logits[0])))
+  want = rocketkv.generate(
+      model, [tokens[0].tolist()], max_new_tokens=6, eos_token_ids=(),
+      rocket_config=rocketkv.RocketConfig(token_budget=16, method="rocketkv", window_size=4))
+  assert out == want.tokens[0]
