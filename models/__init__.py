@@ -1,4 +1,4 @@
-"""Llama / Mistral ports and checkpoint loading (imported as `rocketkv_jax.models`).
+"""Llama / Mistral / Gemma 3 ports and checkpoint loading (imported as `rocketkv_jax.models`).
 
     import rocketkv_jax as rocketkv
     model = rocketkv.models.load(rocketkv.models.smollm2_path())   # or an HF dir / .gguf
@@ -7,12 +7,13 @@
 Modules: `config` (ModelConfig), `rope`, `attention` (blockwise causal prefill), `llama`
 (the pure network: forward / prefill / decode_step), `hf_loader`, `gguf_loader`, `tokenizer`,
 `checkpoint` (orbax), `sharding` (the dp / tp mesh), `distributed` (multi-process start-up),
-`api` (load / load_config / Model / smollm2_path).
+`api` (load / load_config / Model / smollm2_path / gemma3_path), `nnx_model` (the decoder as
+a Flax NNX module whose `nnx.split` state drives the jitted programs).
 """
 
-from rocketkv_jax.models.api import Model, load, load_config, smollm2_path
+from rocketkv_jax.models.api import Model, gemma3_path, load, load_config, smollm2_path
 from rocketkv_jax.models.config import ModelConfig, RopeScaling
 from rocketkv_jax.models.tokenizer import Tokenizer
 
-__all__ = ["Model", "ModelConfig", "RopeScaling", "Tokenizer", "load", "load_config",
-           "smollm2_path"]
+__all__ = ["Model", "ModelConfig", "RopeScaling", "Tokenizer", "gemma3_path", "load",
+           "load_config", "smollm2_path"]

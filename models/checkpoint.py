@@ -57,8 +57,9 @@ def restore(directory: str, shardings=None):
     raw = json.load(f)
   raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
   raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
-  if raw.get("rope_freq_factors") is not None:
-    raw["rope_freq_factors"] = tuple(raw["rope_freq_factors"])
+  for key in ("rope_freq_factors", "layer_types"):  # JSON lists -> hashable tuples
+    if raw.get(key) is not None:
+      raw[key] = tuple(raw[key])
   config = ModelConfig(**raw)
   ckpt = ocp.StandardCheckpointer()
   if shardings is None:

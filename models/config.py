@@ -4,7 +4,9 @@ One `ModelConfig` describes every supported checkpoint family:
 
 * Llama 2 / 3 / 3.1 / 3.2 and SmolLM2 (`architecture="llama"`),
 * Mistral v0.1 (`architecture="mistral"`, `sliding_window=4096`) and v0.2 / v0.3
-  (`sliding_window=None`).
+  (`sliding_window=None`),
+* Gemma 3 text (`architecture="gemma3"`): a hybrid of sliding-window and full layers
+  (`layer_types`), see docs/gemma3.md.
 
 RoPE scaling is a separate frozen `RopeScaling` (type `"default"`, `"linear"` or `"llama3"`).
 Both Hugging Face config spellings are accepted: the classic `rope_theta` + `rope_scaling`
@@ -16,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "gemma3")
+LAYER_TYPES = ("sliding_attention", "full_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -69,6 +72,15 @@ class ModelConfig:
     bos_token_id, eos_token_ids: special ids (eos may be several, as in Llama 3).
     rope_freq_factors: optional per-frequency divisors `[Dh // 2]` (llama.cpp's `rope_freqs`
       tensor, how GGUF files store Llama 3.1 scaling); applied on top of `rope_scaling`.
+    layer_types: None (every layer alike: `sliding_window` applies to all, Mistral v0.1), or
+      one of LAYER_TYPES per layer (Gemma 3's hybrid): only "sliding_attention" layers use
+      `sliding_window`, and they keep a bounded cache instead of the KV method's (docs/gemma3.md).
+    rope_local_theta: RoPE base of the sliding layers of a hybrid model (unscaled), or None.
+    query_pre_attn_scalar: softmax scale is query_pre_attn_scalar ** -0.5 (None: head_dim).
+    final_logit_softcap: logits = c * tanh(logits / c), or None.
+  Gemma 3 (`architecture="gemma3"`) also means: embeddings scaled by sqrt(D), RMSNorm of q
+  and k per head, norms after attention and MLP too, tanh-GELU GeGLU. Its norm weights are
+  held as the multiplier 1 + w (llama.cpp's GGUF convention; the HF loader adds the 1).
   """
 
   vocab_size: int
@@ -88,6 +100,10 @@ class ModelConfig:
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
   rope_freq_factors: tuple[float, ...] | None = None
+  layer_types: tuple[str, ...] | None = None
+  rope_local_theta: float | None = None
+  query_pre_attn_scalar: float | None = None
+  final_logit_softcap: float | None = None
 
   def __post_init__(self):
     if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -104,6 +120,44 @@ class ModelConfig:
       raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
     if self.sliding_window is not None and self.sliding_window < 1:
       raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window}")
+    if self.layer_types is not None:
+      if len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES):
+        raise ValueError(f"layer_types must hold one of {LAYER_TYPES} per layer "
+                         f"({self.num_layers}), got {self.layer_types}")
+      if self.sliding_window is None and "sliding_attention" in self.layer_types:
+        raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
+
+  @property
+  def gemma(self) -> bool:
+    """Gemma's block: scaled embeddings, q/k norms, post-norms, GeGLU (see the docstring)."""
+    return self.architecture == "gemma3"
+
+  def layer_window(self, i: int) -> int | None:
+    """Layer i's attention window: `sliding_window` on its sliding layers, else None."""
+    if self.layer_types is None or self.layer_types[i] == "sliding_attention":
+      return self.sliding_window
+    return None
+
+  @property
+  def window_layers(self) -> tuple[int, ...]:
+    """The sliding layers of a hybrid model (`layer_types`): their decode state is a cache of
+    the last `sliding_window` prompt tokens + the new ones, not the KV method's. (Mistral
+    v0.1, all layers sliding, has none: the KV method runs on every layer.)"""
+    if self.layer_types is None:
+      return ()
+    return tuple(i for i, t in enumerate(self.layer_types) if t == "sliding_attention")
+
+  def layer_rope(self, i: int) -> tuple[float, "RopeScaling", tuple | None]:
+    """(base, scaling, freq factors) of layer i's RoPE: a hybrid's sliding layers use
+    `rope_local_theta` unscaled, every other layer `rope_theta` + `rope_scaling`."""
+    if i in self.window_layers and self.rope_local_theta is not None:
+      return self.rope_local_theta, RopeScaling(), None
+    return self.rope_theta, self.rope_scaling, self.rope_freq_factors
+
+  @property
+  def query_scale(self) -> float:
+    """The softmax scale of the attention logits."""
+    return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
   @property
   def num_groups(self) -> int:
@@ -118,6 +172,11 @@ class ModelConfig:
       ValueError: unsupported `model_type`, rope type, bias layers or activation.
     """
     model_type = hf.get("model_type", "llama")
+    if model_type == "gemma3":  # the multimodal config: its text model
+      hf = dict(hf.get("text_config") or {}, model_type="gemma3_text")
+      model_type = "gemma3_text"
+    if model_type == "gemma3_text":
+      return _gemma3_from_hf(hf)
     if model_type not in SUPPORTED_ARCHITECTURES:
       raise ValueError(
           f"config.json model_type {model_type!r} is not supported; allowed: "
@@ -154,6 +213,57 @@ class ModelConfig:
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )
+
+
+def _gemma3_from_hf(hf: Mapping[str, Any]) -> "ModelConfig":
+  """A `gemma3_text` config (transformers' defaults where a key is absent)."""
+  if hf.get("attention_bias"):
+    raise ValueError("attention_bias = True is not supported (Gemma 3 has none)")
+  act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+  if act != "gelu_pytorch_tanh":
+    raise ValueError(f"hidden_activation {act!r} is not supported; allowed: ('gelu_pytorch_tanh',)")
+  if hf.get("attn_logit_softcapping") is not None:
+    raise ValueError("attn_logit_softcapping is not supported (None in Gemma 3)")
+  if hf.get("use_bidirectional_attention"):
+    raise ValueError("use_bidirectional_attention = True is not supported (a decoder is causal)")
+  n = hf.get("num_hidden_layers", 26)
+  types = hf.get("layer_types")
+  if types is None:
+    pattern = hf.get("sliding_window_pattern", 6)
+    types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+  params = hf.get("rope_parameters") or {}
+  full = dict(params.get("full_attention") or {})
+  local = dict(params.get("sliding_attention") or {})
+  if not params:  # the classic spelling
+    full = dict(hf.get("rope_scaling") or {}, rope_theta=hf.get("rope_theta", 1e6))
+    local = {"rope_theta": hf.get("rope_local_base_freq", 1e4)}
+  if local.get("rope_type", local.get("type", "default")) != "default":
+    raise ValueError("rope scaling on sliding layers is not supported (Gemma 3 has none)")
+  theta, rope = _rope_from_hf({"rope_parameters": {"rope_theta": 1e6, **full}})
+  eos = hf.get("eos_token_id", 1)
+  heads = hf.get("num_attention_heads", 8)
+  return ModelConfig(
+      vocab_size=hf.get("vocab_size", 262208),
+      hidden_size=hf.get("hidden_size", 2304),
+      intermediate_size=hf.get("intermediate_size", 9216),
+      num_layers=n,
+      num_heads=heads,
+      num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim", 256),
+      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      rope_theta=float(theta),
+      rope_scaling=rope,
+      max_position_embeddings=hf.get("max_position_embeddings", 131072),
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+      sliding_window=hf.get("sliding_window", 4096),
+      architecture="gemma3",
+      bos_token_id=hf.get("bos_token_id", 2),
+      eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,)),
+      layer_types=tuple(types),
+      rope_local_theta=float(local.get("rope_theta", 1e4)),
+      query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+      final_logit_softcap=hf.get("final_logit_softcapping"),
+  )
 
 
 def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:

@@ -1,4 +1,4 @@
-"""Loading llama.cpp GGUF files (Llama-architecture: Llama 2/3, SmolLM2, Mistral).
+"""Loading llama.cpp GGUF files (architecture "llama": Llama 2/3, SmolLM2, Mistral; "gemma3").
 
 The `gguf` package memory-maps the file and dequantises one tensor at a time (any of its
 quantisation types: Q4_0/Q4_1/Q8_0/K-quants/F16/...), so reads are lazy and per tensor.
@@ -7,12 +7,19 @@ RoPE layout to the interleaved one; `unpermute_rope_rows` undoes it. Llama 3.1 s
 GGUF stores as a `rope_freqs` tensor of per-frequency divisors, becomes
 `ModelConfig.rope_freq_factors`. GGUF has no sliding-window field for the llama architecture,
 so Mistral v0.1 GGUFs load without the window (as llama.cpp runs them).
+
+Gemma 3 (`gemma3`): llama.cpp's converter stores every norm weight as 1 + w (its RMSNorm is a
+plain x * weight) -- how our params hold them too, so they load as they are (transformers' GGUF
+loader subtracts the 1 again); q / k rows are not permuted (NeoX RoPE). GGUF has no layer
+pattern, RoPE local base or query scale: llama.cpp's own values are used (every 6th layer full,
+local base 10000, query scale key_length ** -0.5, the 27B's hidden / heads).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+import struct
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -26,22 +33,9 @@ _LAYER_MAP = {
     "wo": "attn_output", "mlp_norm": "ffn_norm", "w_gate": "ffn_gate", "w_up": "ffn_up",
     "w_down": "ffn_down",
 }
-
-
-def _field_value(field) -> Any:
-  """Decodes one GGUF metadata field to a Python value (str, number, or list)."""
-  import gguf
-
-  types = field.types
-  if not types:
-    return None
-  if types[0] == gguf.GGUFValueType.ARRAY:
-    if types[-1] == gguf.GGUFValueType.STRING:
-      return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-    return [field.parts[i].tolist()[0] for i in field.data]
-  if types[0] == gguf.GGUFValueType.STRING:
-    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-  return field.parts[field.data[0]].tolist()[0]
+_GEMMA_LAYER_MAP = dict(_LAYER_MAP, q_norm="attn_q_norm", k_norm="attn_k_norm",
+                        post_attn_norm="post_attention_norm", post_mlp_norm="post_ffw_norm")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3")
 
 
 GGUF_MAGIC = b"GGUF"
@@ -58,33 +52,112 @@ def check_magic(path: str) -> None:
                      f"its start, found {magic!r}")
 
 
-def open_gguf(path: str):
-  """A `gguf.GGUFReader` (memory-mapped).
+class GGUFTensor(NamedTuple):
+  """One tensor of a `GGUFFile`: `data` is its bytes (uint8 `[rows, row bytes]`, memory-mapped),
+  `shape` GGUF's dims (innermost first), `tensor_type` a `gguf.GGMLQuantizationType`."""
+  name: str
+  shape: np.ndarray
+  tensor_type: Any
+  data: np.ndarray
+
+
+class GGUFFile(NamedTuple):
+  """A parsed GGUF file: `metadata` (key -> str / number / list) and its `tensors`."""
+  path: str
+  metadata: dict
+  tensors: list
+
+
+# GGUF value types -> struct formats (8: string, 9: array)
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+           12: "d"}
+
+
+def _parse(path: str) -> GGUFFile:
+  """Reads the header of a little-endian GGUF v2 / v3 file; tensor data stay memory-mapped.
+  (Our own parser: `gguf.GGUFReader` builds a view per array element, ~25 s for a 262K-token
+  vocabulary.)"""
+  import gguf
+
+  mm = np.memmap(path, dtype=np.uint8, mode="r")
+  buf = memoryview(mm)
+  at = 0
+
+  def take(fmt):
+    nonlocal at
+    out = struct.unpack_from("<" + fmt, buf, at)
+    at += struct.calcsize("<" + fmt)
+    return out[0] if len(out) == 1 else out
+
+  def string():
+    nonlocal at
+    n = take("Q")
+    at += n
+    return bytes(buf[at - n:at]).decode("utf-8", errors="replace")
+
+  def value(vtype):
+    nonlocal at
+    if vtype == 8:
+      return string()
+    if vtype == 9:
+      etype, count = take("I"), take("Q")
+      if etype in _SCALAR:  # numeric arrays in one read
+        dt = np.dtype("<" + _SCALAR[etype])
+        out = np.frombuffer(buf, dt, count, at).tolist()
+        at += dt.itemsize * count
+        return out
+      return [value(etype) for _ in range(count)]
+    return take(_SCALAR[vtype])
+
+  _, version, n_tensors, n_kv = take("4s"), take("I"), take("Q"), take("Q")
+  if version not in (2, 3):
+    raise ValueError(f"GGUF version {version} is not supported; allowed: (2, 3)")
+  meta = {}
+  for _ in range(n_kv):
+    key = string()
+    meta[key] = value(take("I"))
+  infos = []
+  for _ in range(n_tensors):
+    name = string()
+    dims = [take("Q") for _ in range(take("I"))]
+    infos.append((name, dims, gguf.GGMLQuantizationType(take("I")), take("Q")))
+  align = meta.get("general.alignment", 32)
+  start = -(-at // align) * align
+  tensors = []
+  for name, dims, qtype, offset in infos:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    row_bytes = dims[0] // block * size
+    rows = int(np.prod(dims[1:], dtype=np.int64))
+    data = mm[start + offset:start + offset + rows * row_bytes].reshape(rows, row_bytes)
+    tensors.append(GGUFTensor(name, np.array(dims), qtype, data))
+  return GGUFFile(path, meta, tensors)
+
+
+def open_gguf(path: str) -> GGUFFile:
+  """The file's metadata and memory-mapped tensors (`GGUFFile`).
 
   Raises:
     FileNotFoundError: no such file. ValueError (naming the file): not a readable GGUF file.
   """
   check_magic(path)
-  import gguf
-
   try:
-    return gguf.GGUFReader(path)
+    return _parse(path)
   except Exception as e:  # pylint: disable=broad-except  # truncated / corrupt: any error type
     raise ValueError(f"cannot read GGUF file {path!r} (truncated or corrupt?): "
                      f"{type(e).__name__}: {e}") from e
 
 
-def read_metadata(reader) -> dict[str, Any]:
-  return {k: _field_value(f) for k, f in reader.fields.items()}
+def read_metadata(reader: GGUFFile) -> dict[str, Any]:
+  return dict(reader.metadata)
 
 
 def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
   arch = meta.get("general.architecture")
-  if arch != "llama":
+  if arch not in SUPPORTED_GGUF_ARCHITECTURES:
     raise ValueError(
-        f"GGUF architecture {arch!r} is not supported; allowed: ('llama',) "
+        f"GGUF architecture {arch!r} is not supported; allowed: {SUPPORTED_GGUF_ARCHITECTURES} "
         "(llama.cpp stores Llama, SmolLM2 and Mistral as 'llama')")
-  p = lambda k, d=None: meta.get(f"llama.{k}", d)
+  p = lambda k, d=None: meta.get(f"{arch}.{k}", d)
   hidden = p("embedding_length")
   heads = p("attention.head_count")
   head_dim = p("attention.key_length") or hidden // heads
@@ -99,9 +172,24 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
         "and Llama 3.1's rope_freqs tensor")
   factors = None
   if "rope_freqs.weight" in tensors:
-    factors = tuple(float(x) for x in np.asarray(tensors["rope_freqs.weight"].data).reshape(-1))
+    factors = tuple(float(x) for x in _dequantize(tensors["rope_freqs.weight"]).reshape(-1))
   vocab = p("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
   eos = meta.get("tokenizer.ggml.eos_token_id")
+  gemma = {}
+  if arch == "gemma3":
+    n = p("block_count")
+    pattern = p("attention.sliding_window_pattern", 6)  # an int, or one bool per layer
+    sliding = (list(pattern) if isinstance(pattern, list)
+               else [bool((i + 1) % pattern) for i in range(n)])
+    gemma = dict(
+        architecture="gemma3", sliding_window=p("attention.sliding_window"),
+        layer_types=tuple("sliding_attention" if x else "full_attention" for x in sliding),
+        rope_local_theta=10000.0,
+        # llama.cpp: key_length ** -0.5, but hidden / heads for the 27B (62 layers)
+        query_pre_attn_scalar=float(hidden // heads if n == 62 else head_dim),
+        final_logit_softcap=p("final_logit_softcapping"))
+    if p("attn_logit_softcapping") is not None:
+      raise ValueError("GGUF gemma3 attn_logit_softcapping is not supported (None in Gemma 3)")
   return ModelConfig(
       vocab_size=vocab,
       hidden_size=hidden,
@@ -115,10 +203,10 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
       rope_scaling=scaling,
       max_position_embeddings=p("context_length", 4096),
       tie_word_embeddings="output.weight" not in tensors,
-      architecture="llama",
       bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
       eos_token_ids=() if eos is None else (eos,),
       rope_freq_factors=factors,
+      **(gemma or dict(architecture="llama")),
   )
 
 
@@ -167,7 +255,7 @@ def load_gguf_params(reader, config: ModelConfig, dtype=jnp.float32, shardings=N
       raise ValueError(
           f"shape mismatch between GGUF metadata and weights: {name!r} has shape {w.shape} "
           f"(after transpose), metadata implies {tuple(want)}")
-    return w.astype(np.dtype(dtype))
+    return w.astype(np.dtype(dtype), copy=False)
 
   def place(x, sh):
     return jnp.asarray(x) if sh is None else global_array(x, sh)
@@ -183,9 +271,9 @@ def load_gguf_params(reader, config: ModelConfig, dtype=jnp.float32, shardings=N
   params["layers"] = []
   for i in range(config.num_layers):
     layer = {}
-    for key, gname in _LAYER_MAP.items():
-      heads = {"wq": config.num_heads, "wk": config.num_kv_heads}.get(key)
-      transpose = key not in ("attn_norm", "mlp_norm")
+    for key, gname in (_GEMMA_LAYER_MAP if config.gemma else _LAYER_MAP).items():
+      heads = None if config.gemma else {"wq": config.num_heads, "wk": config.num_kv_heads}.get(key)
+      transpose = not key.endswith("norm")
       w = get(f"blk.{i}.{gname}.weight", shapes["layers"][i][key], transpose, heads)
       layer[key] = place(w, sh["layers"][i][key] if sh else None)
     params["layers"].append(layer)

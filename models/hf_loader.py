@@ -32,6 +32,17 @@ _LAYER_MAP = {
     "w_up": ("model.layers.{i}.mlp.up_proj.weight", True),
     "w_down": ("model.layers.{i}.mlp.down_proj.weight", True),
 }
+# Gemma 3: its norms around attention and MLP, and per-head q / k norms.
+_GEMMA_LAYER_MAP = dict(
+    _LAYER_MAP,
+    mlp_norm=("model.layers.{i}.pre_feedforward_layernorm.weight", False),
+    post_attn_norm=("model.layers.{i}.post_attention_layernorm.weight", False),
+    post_mlp_norm=("model.layers.{i}.post_feedforward_layernorm.weight", False),
+    q_norm=("model.layers.{i}.self_attn.q_norm.weight", False),
+    k_norm=("model.layers.{i}.self_attn.k_norm.weight", False),
+)
+# where a multimodal Gemma 3 checkpoint keeps its text model's "model." tensors
+_TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
 _TOP_MAP = {
     "embed": ("model.embed_tokens.weight", False),
     "final_norm": ("model.norm.weight", False),
@@ -112,8 +123,14 @@ def load_hf_params(path: str, config: ModelConfig, dtype=jnp.float32,
   Raises:
     FileNotFoundError: missing weights file. ValueError: missing tensor or shape mismatch.
   """
-  reader = _Reader(_weight_index(path))
+  index = _weight_index(path)
+  # "model." names of the text model (a multimodal Gemma 3 keeps it under another prefix)
+  prefix = next((p for p in _TEXT_PREFIXES if p + "embed_tokens.weight" in index), "model.")
+  index = {("model." + k[len(prefix):] if k.startswith(prefix) else k): f
+           for k, f in index.items()}
+  reader = _Reader(index)
   shapes = param_shapes(config)
+  layer_map = _GEMMA_LAYER_MAP if config.gemma else _LAYER_MAP
   if config.tie_word_embeddings:
     shapes.pop("lm_head", None)
 
@@ -125,8 +142,10 @@ def load_hf_params(path: str, config: ModelConfig, dtype=jnp.float32,
           f"shape mismatch between config.json and weights: {name!r} has shape {got}, "
           f"config implies {tuple(want_hf)}")
 
-  def build(shape, sharding, fetch):
+  def build(shape, sharding, fetch, key=""):
     """fetch(index tuple of slices over `shape`) -> np.ndarray."""
+    if config.gemma and key.endswith("norm"):  # Gemma's x * (1 + w): held as 1 + w
+      fetch = lambda idx, f=fetch: f(idx).astype(np.float32) + 1.0
     if sharding is None:
       full = tuple(slice(0, s) for s in shape)
       return jnp.asarray(fetch(full).astype(np.dtype(dtype)))
@@ -140,17 +159,17 @@ def load_hf_params(path: str, config: ModelConfig, dtype=jnp.float32,
     name, tr = _TOP_MAP[key]
     check(name, tr, shapes[key])
     sh = None if shardings is None else shardings[key]
-    params[key] = build(shapes[key], sh, lambda idx, n=name, t=tr: reader.read(n, t, idx))
+    params[key] = build(shapes[key], sh, lambda idx, n=name, t=tr: reader.read(n, t, idx), key)
 
   params["layers"] = []
   for i in range(config.num_layers):
     layer = {}
-    for key, (tmpl, tr) in _LAYER_MAP.items():
+    for key, (tmpl, tr) in layer_map.items():
       name = tmpl.format(i=i)
       shape = shapes["layers"][i][key]
       check(name, tr, shape)
       sh = None if shardings is None else shardings["layers"][i][key]
-      layer[key] = build(shape, sh, lambda idx, n=name, t=tr: reader.read(n, t, idx))
+      layer[key] = build(shape, sh, lambda idx, n=name, t=tr: reader.read(n, t, idx), key)
     params["layers"].append(layer)
   return params
 

@@ -1,4 +1,4 @@
-"""Llama / Mistral decoder as pure functions over a parameter pytree.
+"""Llama / Mistral / Gemma 3 decoder as pure functions over a parameter pytree.
 
 Design: the parameters are a plain dict pytree with one dict per decoder block:
 
@@ -6,16 +6,22 @@ Design: the parameters are a plain dict pytree with one dict per decoder block:
      "layers": [{"attn_norm": [D], "wq": [D, Hq*Dh], "wk": [D, Hkv*Dh], "wv": [D, Hkv*Dh],
                  "wo": [Hq*Dh, D], "mlp_norm": [D], "w_gate": [D, F], "w_up": [D, F],
                  "w_down": [F, D]}, ...]}                       # num_layers entries
+    Gemma 3 layers also hold "q_norm", "k_norm" [Dh], "post_attn_norm", "post_mlp_norm" [D].
 
 Prompt passes (`forward`, `prefill`) stack the layers inside jit and run one `lax.scan` (fast
 compiles; the one weight copy is negligible next to a long prompt). The decode step instead
 unrolls the layers over the per-layer weights and a per-layer tuple of KV states: XLA then
-reads each weight in place and updates each donated cache in place. A scan over stacked
-layers slices (copies) every layer's weights and cache every step -- measured 2.3x slower
-RocketKV decode on SmolLM2-135M on CPU.
+reads each weight in place and updates each donated cache in place (a scan over stacked
+layers would slice, i.e. copy, every layer's weights and cache every step).
 
 Mistral is the same network; its v0.1 sliding window is `config.sliding_window`, honoured by
-the blockwise prefill and handed to the KV method at decode time. Activations run in the
+the blockwise prefill and handed to the KV method at decode time (every layer is sliding, so
+the KV method keeps and compresses the whole prompt there). Gemma 3 is the same loop with
+config-driven differences (`ModelConfig.gemma`: scaled embeddings, q/k norms, post-norms,
+GeGLU, per-layer RoPE base, query scale, logit softcap) and hybrid layers: its sliding layers
+(`config.window_layers`) keep a bounded cache of the last `sliding_window` prompt tokens plus
+the new ones and attend to it exactly (`window_cache` / `window_decode`); the KV method runs on
+the full layers only (docs/gemma3.md). Activations run in the
 parameter dtype (fp32 or bf16) -- except bf16 on a CPU where XLA runs no native bf16 dots, which
 computes in fp32 and keeps bf16 weights and K/V caches (`precision.py`); RMSNorm statistics,
 RoPE angles, softmax and logits are fp32.
@@ -30,9 +36,10 @@ Entry points:
   * `decode_step(params, cache, tokens, positions)` -- the pure step
     `(params, cache, tokens, positions) -> (logits, cache)` over `rocketkv.decode_step`.
   * `turn_prefill(params, caches, tokens, turn_lengths)` -- a later turn's prompt run densely
-    over per-layer caches (multi-turn evaluation).
-Building blocks, public for other model-level code: `qkv`, `attn_residual`, `mlp_residual`,
-`unembed`, `window_indices`.
+    over per-layer caches (multi-turn evaluation; not for hybrid models).
+Building blocks, public for other model-level code: `embed`, `qkv`, `attn_residual`,
+`mlp_residual`, `unembed`, `window_indices`, `window_cache`, `window_decode`, `layer_reads`,
+`state_view`.
 """
 
 from __future__ import annotations
@@ -47,10 +54,12 @@ from jax import lax
 import numpy as np
 
 from rocketkv_jax import layer_scan, methods
-from rocketkv_jax.attend import dense_attention_xla
+from rocketkv_jax.attend import attend_dense_before_append, dense_attention_xla
+from rocketkv_jax.cache import KVCache, from_kept
 from rocketkv_jax.config import check_num_layers
 from rocketkv_jax.decode import decode_step as kv_decode_step
 from rocketkv_jax.decode import prefill as kv_prefill
+from rocketkv_jax.methods.base import checked_append
 from rocketkv_jax.models.attention import blockwise_causal_attention
 from rocketkv_jax.models.config import ModelConfig
 from rocketkv_jax.models.precision import compute_params
@@ -70,6 +79,8 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
       "attn_norm": (d,), "wq": (d, hq * dh), "wk": (d, hkv * dh), "wv": (d, hkv * dh),
       "wo": (hq * dh, d), "mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d),
   }
+  if config.gemma:
+    layer.update(q_norm=(dh,), k_norm=(dh,), post_attn_norm=(d,), post_mlp_norm=(d,))
   shapes = {"embed": (v, d), "final_norm": (d,),
             "layers": [dict(layer) for _ in range(config.num_layers)]}
   if not config.tie_word_embeddings:
@@ -101,17 +112,29 @@ def stack_layers(params: Params) -> Params:
 
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
-  """RMSNorm over the last axis, statistics in fp32 (as Hugging Face)."""
+  """RMSNorm over the last axis, statistics in fp32 (as Hugging Face). Gemma's x * (1 + w) is
+  this with `weight` = 1 + w (how its params are held: `ModelConfig`)."""
   x32 = x.astype(jnp.float32)
   y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return weight * y.astype(x.dtype)
 
 
+def embed(params: Params, config: ModelConfig, tokens: jnp.ndarray) -> jnp.ndarray:
+  """tokens `[...]` -> embeddings `[..., D]`; Gemma scales them by sqrt(D) in their dtype."""
+  x = params["embed"][tokens]
+  if config.gemma:
+    x = x * jnp.asarray(config.hidden_size ** 0.5, x.dtype)
+  return x
+
+
 def qkv(lp: Params, config: ModelConfig, x: jnp.ndarray, positions: jnp.ndarray,
-         q_rows: jnp.ndarray | None = None):
+        q_rows: jnp.ndarray | None = None, layer: int = 0):
   """x `[B, T, D]`, positions `[B, T]` -> post-RoPE q `[B, Hq, T, Dh]`, k, v `[B, Hkv, T, Dh]`.
 
   With `q_rows` `[B, W]` (indices into T) only those rows get a query: q is `[B, Hq, W, Dh]`.
+  `layer` picks the RoPE (a hybrid's sliding layers have their own base). q comes pre-scaled
+  by query_scale * sqrt(Dh), so that every attention downstream, which divides by sqrt(Dh),
+  applies `config.query_scale` (a no-op when query_pre_attn_scalar = Dh, as in Gemma 3 270M).
   """
   b, t, _ = x.shape
   dh = config.head_dim
@@ -123,19 +146,32 @@ def qkv(lp: Params, config: ModelConfig, x: jnp.ndarray, positions: jnp.ndarray,
   q = (hq @ lp["wq"]).reshape(b, hq.shape[1], config.num_heads, dh).transpose(0, 2, 1, 3)
   k = (h @ lp["wk"]).reshape(b, t, config.num_kv_heads, dh).transpose(0, 2, 1, 3)
   v = (h @ lp["wv"]).reshape(b, t, config.num_kv_heads, dh).transpose(0, 2, 1, 3)
-  return apply_rope(q, q_pos, config), apply_rope(k, positions, config), v
+  if config.gemma:  # per-head RMSNorm of q and k, before RoPE
+    q = rms_norm(q, lp["q_norm"], config.rms_norm_eps)
+    k = rms_norm(k, lp["k_norm"], config.rms_norm_eps)
+  scale = config.query_scale * dh ** 0.5
+  if scale != 1.0:
+    q = q * jnp.asarray(scale, q.dtype)
+  return apply_rope(q, q_pos, config, layer), apply_rope(k, positions, config, layer), v
 
 
-def attn_residual(lp: Params, x: jnp.ndarray, attn: jnp.ndarray) -> jnp.ndarray:
-  """x `[B, T, D]` + o_proj(attn `[B, Hq, T, Dh]`)."""
+def attn_residual(lp: Params, x: jnp.ndarray, attn: jnp.ndarray,
+                  config: ModelConfig | None = None) -> jnp.ndarray:
+  """x `[B, T, D]` + o_proj(attn `[B, Hq, T, Dh]`) (RMSNorm-ed first on Gemma: `config`)."""
   b, hq, t, dh = attn.shape
-  return x + attn.astype(x.dtype).transpose(0, 2, 1, 3).reshape(b, t, hq * dh) @ lp["wo"]
+  o = attn.astype(x.dtype).transpose(0, 2, 1, 3).reshape(b, t, hq * dh) @ lp["wo"]
+  if config is not None and config.gemma:
+    o = rms_norm(o, lp["post_attn_norm"], config.rms_norm_eps)
+  return x + o
 
 
 def mlp_residual(lp: Params, config: ModelConfig, x: jnp.ndarray) -> jnp.ndarray:
-  """x + SwiGLU(RMSNorm(x))."""
+  """x + SwiGLU(RMSNorm(x)); Gemma: x + RMSNorm(GeGLU(RMSNorm(x))) with tanh-GELU."""
   h = rms_norm(x, lp["mlp_norm"], config.rms_norm_eps)
-  return x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+  if not config.gemma:
+    return x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+  y = (jax.nn.gelu(h @ lp["w_gate"], approximate=True) * (h @ lp["w_up"])) @ lp["w_down"]
+  return x + rms_norm(y, lp["post_mlp_norm"], config.rms_norm_eps)
 
 
 def unembed(params: Params, config: ModelConfig, x: jnp.ndarray) -> jnp.ndarray:
@@ -144,8 +180,31 @@ def unembed(params: Params, config: ModelConfig, x: jnp.ndarray) -> jnp.ndarray:
   if config.tie_word_embeddings:
     # contract against embed [V, D] directly: an explicit `.T` is a 4*V*D-byte copy that XLA
     # does not hoist out of the decode while_loop.
-    return jnp.einsum("...d,vd->...v", h, params["embed"]).astype(jnp.float32)
-  return (h @ params["lm_head"]).astype(jnp.float32)
+    logits = jnp.einsum("...d,vd->...v", h, params["embed"]).astype(jnp.float32)
+  else:
+    logits = (h @ params["lm_head"]).astype(jnp.float32)
+  if config.final_logit_softcap is not None:
+    c = float(config.final_logit_softcap)
+    logits = c * jnp.tanh(logits / c)
+  return logits
+
+
+def _kind(config: ModelConfig, i: int):
+  """What a layer's math depends on besides its weights: layers of one kind share a scan."""
+  return None if config.layer_types is None else config.layer_types[i]
+
+
+def _runs(config: ModelConfig, lo: int, hi: int, alone=()) -> list[tuple[int, int]]:
+  """`(a, b)` runs of layers [lo, hi) of one kind; the layers in `alone` stand alone."""
+  out, a = [], lo
+  while a < hi:
+    b = a + 1
+    if a not in alone:
+      while b < hi and b not in alone and _kind(config, b) == _kind(config, a):
+        b += 1
+    out.append((a, b))
+    a = b
+  return out
 
 
 def forward(params: Params, tokens: jnp.ndarray, *, config: ModelConfig,
@@ -154,16 +213,18 @@ def forward(params: Params, tokens: jnp.ndarray, *, config: ModelConfig,
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   params = compute_params(params)
-  x = params["embed"][tokens]
+  x = embed(params, config, tokens)
+  layers = stack_layers(params)
 
-  def layer(x, lp):
-    q, k, v = qkv(lp, config, x, positions)
+  def layer(x, lp, i):
+    q, k, v = qkv(lp, config, x, positions, layer=i)
     a = blockwise_causal_attention(
-        q, k, v, sliding_window=config.sliding_window, block_size=block_size)
-    x = mlp_residual(lp, config, attn_residual(lp, x, a))
+        q, k, v, sliding_window=config.layer_window(i), block_size=block_size)
+    x = mlp_residual(lp, config, attn_residual(lp, x, a, config))
     return x, None
 
-  x, _ = lax.scan(layer, x, stack_layers(params))
+  for lo, hi in _runs(config, 0, config.num_layers):  # one scan per run of like layers
+    x, _ = lax.scan(functools.partial(layer, i=lo), x, jax.tree.map(lambda a: a[lo:hi], layers))
   return unembed(params, config, x)
 
 
@@ -194,8 +255,9 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
   Every layer computes K/V for all tokens and queries for the last `window` valid tokens, and
   hands them to `per_layer(k [B, Hkv, L, Dh], v, q_window [B, Hq, W, Dh], layer) -> pytree`.
   `layer` is the layer's index for the layers in `static_layers`, which run unrolled (so their
-  results may differ in structure: the KV methods' dense layers), and None for the others, which
-  run in `lax.scan`s between them (results of one structure).
+  results may differ in structure: the KV methods' dense layers, a hybrid's sliding layers), and
+  None for the others, which run in `lax.scan`s between them, one per run of layers of one kind
+  (results of one structure).
   Layers 0..N-2 run blockwise causal attention and the MLP over every token; the last layer's
   output is needed only at each sequence's last valid token, so there its attention and MLP
   run on that one row (a 1/N saving of the prompt pass).
@@ -217,9 +279,9 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
 
   def store(k, v, qw, i):
     return per_layer(k.astype(kv_dtype), v.astype(kv_dtype), qw.astype(kv_dtype),
-                     i if i in static else None)
+                     i if i in static else None)  # -1 (a scanned run): None
 
-  x = params["embed"][tokens]
+  x = embed(params, config, tokens)
   layers = params["layers"]
   per_layer_params = isinstance(layers, (list, tuple))
   # a layer's weights: its own dict (what the loaders make), or a slice of stacked ones
@@ -229,38 +291,33 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
   run_params = lambda lo, hi: (jax.tree.map(lambda *xs: jnp.stack(xs), *layers[lo:hi])
                                if per_layer_params else jax.tree.map(lambda a: a[lo:hi], layers))
 
-  def layer(x, lp, i=None):
-    q, k, v = qkv(lp, config, x, positions)
+  def layer(x, lp, i, one=True):
+    # `i`: the layer (for a scanned run, its first: every layer of a run is of one kind)
+    q, k, v = qkv(lp, config, x, positions, layer=i)
     a = blockwise_causal_attention(
-        q, k, v, sliding_window=config.sliding_window, block_size=block_size)
+        q, k, v, sliding_window=config.layer_window(i), block_size=block_size)
     q_window = jnp.take_along_axis(q, widx[:, None, :, None], axis=2)  # [B, Hq, W, Dh]
-    out = store(k, v, q_window, i)
-    x = mlp_residual(lp, config, attn_residual(lp, x, a))
+    out = store(k, v, q_window, i if one else -1)
+    x = mlp_residual(lp, config, attn_residual(lp, x, a, config))
     return x, out
 
   groups, spans = [], []  # results of runs of layers [lo, hi): stacked when scanned
-  lo = 0
-  while lo < n - 1:  # runs of scanned layers, and the static layers one by one
+  # runs of scanned layers of one kind, and the static layers one by one
+  for lo, hi in _runs(config, 0, n - 1, alone=static):
     if lo in static:
       x, out = layer(x, layer_params(lo), lo)
       groups.append(out)
-      spans.append((lo, lo + 1))
-      lo += 1
-      continue
-    hi = lo
-    while hi < n - 1 and hi not in static:
-      hi += 1
-    x, run = lax.scan(layer, x, run_params(lo, hi))
-    groups.append(run if hi - lo > 1 else jax.tree.map(lambda a: a[0], run))
+    else:
+      x, run = lax.scan(functools.partial(layer, i=lo, one=False), x, run_params(lo, hi))
+      groups.append(run if hi - lo > 1 else jax.tree.map(lambda a: a[0], run))
     spans.append((lo, hi))
-    lo = hi
   lp = layer_params(n - 1)
-  q_window, k, v = qkv(lp, config, x, positions, q_rows=widx)
+  q_window, k, v = qkv(lp, config, x, positions, q_rows=widx, layer=n - 1)
   groups.append(store(k, v, q_window, n - 1))
   spans.append((n - 1, n))
-  a = _last_token_attention(q_window[:, :, -1], k, v, lengths, config.sliding_window)
+  a = _last_token_attention(q_window[:, :, -1], k, v, lengths, config.layer_window(n - 1))
   x = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
-  x = mlp_residual(lp, config, attn_residual(lp, x, a[:, :, None, :]))
+  x = mlp_residual(lp, config, attn_residual(lp, x, a[:, :, None, :], config))
   stack = LayerStack(groups=tuple(groups), spans=tuple(spans))
   return x[:, 0], (stack if stacked else unstack_cache(stack))
 
@@ -294,12 +351,58 @@ def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
   # XLA:CPU copies out at every step (full KV at 8K x 4, SmolLM2: 280-300 ms of each step in
   # per-op traces).
   static = tuple(range(config.num_layers)) if method.dense else method.dense_layers(plan)
+  sliding = config.window_layers  # a hybrid's sliding layers: a bounded cache of their own
+
+  def per_layer(k, v, qw, layer):
+    if layer in sliding:
+      return window_cache(k, v, lengths, config.sliding_window, plan.max_new_tokens)
+    return kv_prefill(k, v, qw, plan, lengths=lengths, impl=impl, layer=layer)
+
   last, cache = prompt_pass(
       params, tokens, lengths, config=config, window=plan.window_size, block_size=block_size,
-      static_layers=static, stacked=stacked,
-      per_layer=lambda k, v, qw, layer: kv_prefill(k, v, qw, plan, lengths=lengths, impl=impl,
-                                                   layer=layer))
+      static_layers=tuple(sorted(set(static) | set(sliding))), stacked=stacked,
+      per_layer=per_layer)
   return unembed(params, config, last), cache
+
+
+def window_cache(k: jnp.ndarray, v: jnp.ndarray, lengths: jnp.ndarray, window: int,
+                 max_new_tokens: int) -> KVCache:
+  """A sliding layer's decode state: the last `window` valid prompt tokens of k, v
+  `[B, Hkv, L, D]` (fewer for a shorter prompt), with room for `max_new_tokens` more: a
+  `KVCache` of capacity min(window, L) + max_new_tokens whatever the prompt length, which
+  `window_decode` attends to exactly."""
+  b, h, length, _ = k.shape
+  w = min(window, length)
+  start = jnp.maximum(lengths - w, 0)  # [B]
+  idx = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]  # [B, w], <= L - 1
+  take = lambda x: jnp.take_along_axis(x, idx[:, None, :, None], axis=2)
+  pos = jnp.broadcast_to(idx[:, None, :], (b, h, w))
+  return from_kept(take(k), take(v), pos, jnp.minimum(lengths, w), lengths,
+                   w + max_new_tokens, 0)
+
+
+def window_decode(q: jnp.ndarray, k_new: jnp.ndarray, v_new: jnp.ndarray, cache: KVCache,
+                  window: int):
+  """One decode step of a sliding layer: exact attention of q `[B, Hq, Dh]` over its
+  `window_cache` (keys within `window` of the new token) and the new token; (out, cache)."""
+  new = checked_append(q, k_new, v_new, cache)
+  return attend_dense_before_append(q, cache, k_new, v_new, sliding_window=window), new
+
+
+def state_view(plan, config: ModelConfig | None = None):
+  """`state -> KVCache` for a layer's decode state: the method's `view`, except for a
+  hybrid's sliding layers, whose state is a `KVCache` of their own (`window_cache`)."""
+  view = methods.get(plan.method).view
+  return lambda state: state if isinstance(state, KVCache) else view(state)
+
+
+def layer_reads(config: ModelConfig, plan, kept, steps: int) -> list[int]:
+  """Per layer, the K/V tokens one decode step attends to once `kept[i]` prompt tokens are
+  cached (`Method.layer_reads`), a hybrid's sliding layers at most `sliding_window`."""
+  reads = methods.get(plan.method).layer_reads(plan, kept, steps)
+  for i in config.window_layers:
+    reads[i] = min(kept[i] + steps, config.sliding_window)
+  return reads
 
 
 @struct.dataclass
@@ -318,10 +421,11 @@ class LayerStack:
   spans: tuple = struct.field(pytree_node=False)
 
 
-def layer_spans(num_layers: int, plan, offset: int = 0) -> tuple[tuple[int, int], ...]:
+def layer_spans(num_layers: int, plan, offset: int = 0,
+                alone: tuple[int, ...] = ()) -> tuple[tuple[int, int], ...]:
   """`(lo, hi)` runs of the layers `offset .. offset + num_layers - 1` between the method's
-  dense layers, which stand alone."""
-  dense = set(methods.get(plan.method).dense_layers(plan))
+  dense layers and the layers in `alone` (a hybrid's sliding layers), which stand alone."""
+  dense = set(methods.get(plan.method).dense_layers(plan)) | set(alone)
   spans, lo, end = [], offset, offset + num_layers
   while lo < end:
     hi = lo + 1
@@ -333,10 +437,11 @@ def layer_spans(num_layers: int, plan, offset: int = 0) -> tuple[tuple[int, int]
   return tuple(spans)
 
 
-def stack_cache(cache, plan) -> LayerStack:
-  """The per-layer tuple from `prefill` -> a `LayerStack` (one copy of the cache)."""
+def stack_cache(cache, plan, alone: tuple[int, ...] = ()) -> LayerStack:
+  """The per-layer tuple from `prefill` -> a `LayerStack` (one copy of the cache); `alone`:
+  layers that stand alone besides the method's dense ones (`config.window_layers`)."""
   groups = []
-  spans = layer_spans(len(cache), plan)
+  spans = layer_spans(len(cache), plan, alone=alone)
   for lo, hi in spans:
     groups.append(cache[lo] if hi == lo + 1 else
                   jax.tree.map(lambda *xs: jnp.stack(xs), *cache[lo:hi]))
@@ -379,24 +484,29 @@ def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarr
     raise ValueError(f"cache must hold {n} layer states, got {layers_given}")
   check_num_layers(plan, n)
   params = compute_params(params)  # a no-op when the caller has upcast them (generate does)
-  x = params["embed"][tokens][:, None, :]  # [B, 1, D]
+  x = embed(params, config, tokens)[:, None, :]  # [B, 1, D]
   pos = positions[:, None]
+  view = state_view(plan, config)
+  sliding = config.window_layers
 
-  def attention(q, k, v, state, i):
-    kv_dtype = methods.get(plan.method).view(state).dtype  # the cache's dtype (bf16 weights
-    k, v = k.astype(kv_dtype), v.astype(kv_dtype)         # may compute in fp32: precision.py)
-    return kv_decode_step(q[:, :, 0], k, v, state, plan, layer=i,
-                          sliding_window=config.sliding_window, impl=impl)
+  def attention(q, k, v, state, i, window):
+    kv_dtype = view(state).dtype                   # the cache's dtype (bf16 weights
+    k, v = k.astype(kv_dtype), v.astype(kv_dtype)  # may compute in fp32: precision.py)
+    if i in sliding:  # a hybrid's sliding layer: its bounded cache, no KV method
+      return window_decode(q[:, :, 0], k, v, state, window)
+    return kv_decode_step(q[:, :, 0], k, v, state, plan, layer=i, sliding_window=window,
+                          impl=impl)
 
-  pre = lambda lp, x: qkv(lp, config, x, pos)
-  post = lambda lp, x, out: mlp_residual(lp, config, attn_residual(lp, x, out[:, :, None, :]))
+  pre = lambda lp, x, i: qkv(lp, config, x, pos, layer=i)
+  post = lambda lp, x, out: mlp_residual(
+      lp, config, attn_residual(lp, x, out[:, :, None, :], config))
   layers = params["layers"]  # one dict per layer (what the loaders make)
 
   if not stacked:
     # The method decides which layers stay dense (`layer=i`: e.g. Quest's first two).
     new_cache = []
     for i, (lp, state) in enumerate(zip(layers, cache)):  # unrolled: in-place caches
-      out, state = attention(*pre(lp, x), state, i)
+      out, state = attention(*pre(lp, x, i), state, i, config.layer_window(i))
       x = post(lp, x, out)
       new_cache.append(state)
     return unembed(params, config, x[:, 0]), tuple(new_cache)
@@ -405,28 +515,31 @@ def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarr
   dense = set(methods.get(plan.method).dense_layers(plan))
   for (lo, hi), g in zip(cache.spans, cache.groups):
     if hi == lo + 1:
-      out, g = attention(*pre(layers[lo], x), g, lo)
+      out, g = attention(*pre(layers[lo], x, lo), g, lo, config.layer_window(lo))
       x = post(layers[lo], x, out)
       groups.append(g)
       continue
     # A stacked group may hold dense layers of the same state structure (Quest's first two in
     # the eval runner's one stack of every layer): each runs as a scan of its own over its entry
     # of the same stacked buffers, the runs between them as one scan each.
+    # (a group never holds a hybrid's sliding layer: they stand alone; its layers are of one
+    # kind, so one window for all)
+    window = config.layer_window(lo)
     for a, b in layer_spans(hi - lo, plan, offset=lo):
       if a in dense:
         def body(x, state, _, a=a):
-          out, state = attention(*pre(layers[a], x), state, a)
+          out, state = attention(*pre(layers[a], x, a), state, a, window)
           return post(layers[a], x, out), state
       else:
         # The weights stay per layer: each layer's dense math is a branch of a `lax.switch` on
         # the scanned index, reading its weights in place (a dynamic slice of stacked weights
         # is a copy per layer and step on XLA:CPU: +47 ms a step at 4K x 4). The KV method's
         # ops, most of a layer's ops, are compiled once. `layer=None`: no dense layer here.
-        pres = [functools.partial(pre, lp) for lp in layers[a:b]]
+        pres = [functools.partial(pre, lp, i=i) for i, lp in enumerate(layers[a:b], a)]
         posts = [functools.partial(post, lp) for lp in layers[a:b]]
 
         def body(x, state, j, pres=pres, posts=posts):
-          out, state = attention(*lax.switch(j, pres, x), state, None)
+          out, state = attention(*lax.switch(j, pres, x), state, None, window)
           return lax.switch(j, posts, x, out), state
 
       index = None if (a, b) == (lo, hi) else jnp.arange(a - lo, b - lo, dtype=jnp.int32)
@@ -477,23 +590,25 @@ def turn_prefill(params: Params, caches, tokens: jnp.ndarray, turn_lengths: jnp.
     ready for `rocketkv.extend` or `rocketkv.begin_turn`; with `return_logits`, the logits
     after them.
   """
+  if config.window_layers:
+    raise ValueError("multi-turn prefill is not supported on hybrid sliding/full models (Gemma 3)")
   b, t = tokens.shape
   seen = caches[0].seen
   positions = seen[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
   widx = window_indices(turn_lengths, t, window)
   tvalid = jnp.arange(t)[None, :] < turn_lengths[:, None]
-  x = params["embed"][tokens]
+  x = embed(params, config, tokens)
   layers = params["layers"]
   if not isinstance(layers, (list, tuple)):
     layers = [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(len(caches))]
   ks, vs, qws = [], [], []
-  for lp, cache in zip(layers, caches):
-    q, k, v = qkv(lp, config, x, positions)
+  for i, (lp, cache) in enumerate(zip(layers, caches)):
+    q, k, v = qkv(lp, config, x, positions, layer=i)
     cvalid = jnp.broadcast_to((jnp.arange(cache.capacity) < cache.length[:, None])[:, None, :],
                               cache.pos.shape)
     a = _turn_attention(q, cache.k, cache.v, cvalid, k.astype(cache.k.dtype),
                         v.astype(cache.v.dtype), tvalid)
-    x = mlp_residual(lp, config, attn_residual(lp, x, a))
+    x = mlp_residual(lp, config, attn_residual(lp, x, a, config))
     ks.append(k)
     vs.append(v)
     qws.append(jnp.take_along_axis(q, widx[:, None, :, None], axis=2))

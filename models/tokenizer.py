@@ -9,6 +9,12 @@ tokens, user-defined ones (type 4) plain added tokens. The pre-tokenizer follows
 `tokenizer.ggml.pre`: "smollm" splits every digit on its own before the GPT-2 regex (as the
 original SmolLM2 `tokenizer.json` does: `Digits(individual_digits=True)` + `ByteLevel`);
 Llama-3 style names use the Llama-3 split regex; anything else uses the GPT-2 regex.
+
+GGUF SentencePiece BPE ("llama" model without a space prefix: Gemma 3): spaces are written "▁",
+unknown bytes fall back to `<0xNN>` tokens, and, the file having no merges, each token of the
+vocabulary becomes the merges of its two-piece splits, ranked by the token's position in the
+file (what Gemma's vocabulary order means; its scores are not merge ranks), a longer left
+piece first among splits of one token -- the tokenization transformers' GGUF loader gives.
 """
 
 from __future__ import annotations
@@ -112,31 +118,23 @@ class Tokenizer:
   def from_gguf_fields(cls, fields: dict[str, Any]) -> "Tokenizer":
     """From decoded `tokenizer.*` GGUF metadata (see `gguf_loader.read_metadata`)."""
     model = fields.get("tokenizer.ggml.model")
-    if model != "gpt2":
+    spm = model == "llama" and not fields.get("tokenizer.ggml.add_space_prefix", True)
+    if model != "gpt2" and not spm:
       raise ValueError(
-          f"GGUF tokenizer model {model!r} is not supported; allowed: ('gpt2',) (byte-level BPE)")
+          f"GGUF tokenizer model {model!r} is not supported; allowed: ('gpt2',) (byte-level BPE) "
+          "and 'llama' without a space prefix (Gemma's SentencePiece BPE)")
     tokens: list[str] = fields["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
     types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    vocab = {t: i for i, t in enumerate(tokens)}
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    pre = fields.get("tokenizer.ggml.pre", "default")
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":
-      backend.pre_tokenizer = pre_tokenizers.Sequence(
-          [pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif pre in _LLAMA3_PRE:
-      backend.pre_tokenizer = pre_tokenizers.Sequence([
-          pre_tokenizers.Split(tokenizers.Regex(_LLAMA3_SPLIT), behavior="isolated"),
-          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if spm:
+      backend = _sentencepiece_bpe(tokens)
     else:
-      backend.pre_tokenizer = byte_level
-    backend.decoder = decoders.ByteLevel()
-    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+      backend = _byte_level_bpe(fields, tokens)
     special = [tokenizers.AddedToken(t, special=True, normalized=False)
                for t, ty in zip(tokens, types) if ty == 3]
+    # a user-defined token the vocabulary spells otherwise (Gemma's runs of spaces) stays out
+    vocab = backend.get_vocab()
     user = [tokenizers.AddedToken(t, special=False, normalized=False)
-            for t, ty in zip(tokens, types) if ty == 4]
+            for t, ty in zip(tokens, types) if ty == 4 and t in vocab]
     backend.add_special_tokens(special)
     if user:
       backend.add_tokens(user)
@@ -151,3 +149,43 @@ class Tokenizer:
                chat_template=fields.get("tokenizer.chat_template"),
                bos_token=tokens[bos_id] if bos_id is not None else None,
                eos_token=tokens[eos_id] if eos_id is not None else None)
+
+
+def _sentencepiece_bpe(tokens: list[str]) -> tokenizers.Tokenizer:
+  """Gemma's SentencePiece BPE from its GGUF vocabulary (module docstring)."""
+  # a token of spaces only is stored with real spaces; the model sees them as "▁"
+  tokens = ["\u2581" * len(t) if t and not t.strip(" ") else t for t in tokens]
+  vocab = {t: i for i, t in enumerate(tokens)}  # a respelled duplicate: its last position
+  merges = []  # ranked by their token's position in the file
+  for t in sorted(vocab, key=vocab.get):
+    for cut in range(len(t) - 1, 0, -1):  # longer left piece first
+      if t[:cut] in vocab and t[cut:] in vocab:
+        merges.append((t[:cut], t[cut:]))
+  backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True,
+                                            unk_token=tokens[3] if len(tokens) > 3 else None,
+                                            byte_fallback=True))
+  backend.normalizer = tokenizers.normalizers.Replace(" ", "\u2581")
+  backend.decoder = decoders.Sequence(
+      [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+  return backend
+
+
+def _byte_level_bpe(fields: dict[str, Any], tokens: list[str]) -> tokenizers.Tokenizer:
+  """Byte-level BPE (GGUF "gpt2") with llama.cpp's pre-tokenizer (module docstring)."""
+  merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+  vocab = {t: i for i, t in enumerate(tokens)}
+  backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+  pre = fields.get("tokenizer.ggml.pre", "default")
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  if pre == "smollm":
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), byte_level])
+  elif pre in _LLAMA3_PRE:
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(_LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  else:
+    backend.pre_tokenizer = byte_level
+  backend.decoder = decoders.ByteLevel()
+  backend.post_processor = processors.ByteLevel(trim_offsets=False)
+  return backend

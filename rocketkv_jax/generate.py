@@ -111,7 +111,7 @@ def _prefill_fn(params, tokens, lengths, key, sampler, *, config, plan, block_si
                 out_sharding):
   logits, cache = llama.prefill(params, tokens, lengths, config=config, plan=plan,
                                 block_size=block_size, impl=impl, stacked=True)
-  view = methods.get(plan.method).view
+  view = llama.state_view(plan, config)  # a hybrid's sliding layers: their own KVCache
   # [N] per layer, replicated (a stacked group's lengths are [layers, B])
   kept = jnp.concatenate([jnp.max(view(g).length, axis=-1).reshape(-1) for g in cache.groups])
   return sampler(logits, jax.random.fold_in(key, 0)), cache, _host_out(kept, out_sharding)
@@ -359,7 +359,7 @@ def generate(
     text = [model.tokenizer.decode(t) for t in result_tokens]
 
   new = max(len(t) for t in result_tokens)
-  read_per_layer = method_obj.layer_reads(plan, kept_per_layer, steps)
+  read_per_layer = llama.layer_reads(config, plan, kept_per_layer, steps)
   read = float(np.mean(read_per_layer))
   stats = dict(
       method=plan.method, token_budget=plan.token_budget, batch=len(ids),

@@ -112,3 +112,35 @@ def smollm2_transformers():
   tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
   model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
   return tok, model.eval()
+
+
+# Gemma 3 text: 3 layers (sliding, full, sliding), sliding window 8 shorter than the test
+# prompts, GQA 2:1, a query scale other than 1/sqrt(head_dim), linear RoPE scaling on the full
+# layer, a final logit softcap, and random norm weights (so the 1 + w convention is exercised).
+GEMMA3_TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+    rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, sliding_window=8,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    query_pre_attn_scalar=24, final_logit_softcapping=10.0, tie_word_embeddings=True,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                        "rope_theta": 1000000.0}},
+)
+
+
+@functools.lru_cache(maxsize=None)
+def gemma3_checkpoint(seed: int = 0):
+  """(directory, torch Gemma3ForCausalLM in eval mode) for the tiny Gemma 3, fp32."""
+  import torch
+  import transformers
+
+  cfg = transformers.Gemma3TextConfig(**GEMMA3_TINY)
+  torch.manual_seed(seed)
+  model = transformers.Gemma3ForCausalLM(cfg).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      p.normal_(0.0, 0.08 if p.ndim == 2 else 0.3)  # norms: w around 0, so 1 + w around 1
+  path = os.path.join(_TMP.name, "gemma3")
+  model.save_pretrained(path, safe_serialization=True)
+  return path, model

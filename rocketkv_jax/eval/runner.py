@@ -137,7 +137,7 @@ def _greedy_loop(params, cache, first, seen, eos, *, config, plan, max_new_token
   return s.tokens, s.step, s.cache
 
 
-def _build_stack(k, v, qw, lengths, plan) -> llama.LayerStack:
+def _build_stack(k, v, qw, lengths, plan, config=None) -> llama.LayerStack:
   """The method's states from the stored prompt K/V `[N, ...]` as the scanned decode loop's
   `LayerStack`: each run of like layers built by one `lax.scan` over its own layers' slices.
   The method's dense layers (`layer=i`: every prompt token kept, a state of another shape) are
@@ -151,9 +151,13 @@ def _build_stack(k, v, qw, lengths, plan) -> llama.LayerStack:
     return None, rocketkv.prefill(prompt(kk), prompt(vv), qq, plan, lengths=lengths)
 
   dense = methods_lib.get(plan.method).dense_layers(plan)
-  groups, spans = [], llama.layer_spans(k.shape[0], plan)
+  sliding = () if config is None else config.window_layers  # a hybrid's: bounded, no method
+  groups, spans = [], llama.layer_spans(k.shape[0], plan, alone=sliding)
   for lo, hi in spans:
-    if lo in dense:
+    if lo in sliding:
+      groups.append(llama.window_cache(prompt(k[lo]), prompt(v[lo]), lengths,
+                                       config.sliding_window, plan.max_new_tokens))
+    elif lo in dense:
       groups.append(rocketkv.prefill(prompt(k[lo]), prompt(v[lo]), qw[lo], plan,
                                      lengths=lengths, layer=lo))
     elif hi == lo + 1:
@@ -196,7 +200,8 @@ def _full_stack(k, v, lengths, plan) -> llama.LayerStack:
   return llama.LayerStack(groups=(group,), spans=((0, n),))
 
 
-def _method_cache(k, v, qw, lengths, plan, scan_layers: bool, in_place: bool = False):
+def _method_cache(k, v, qw, lengths, plan, scan_layers: bool, in_place: bool = False,
+                  config=None):
   """The method's decode cache from the stored prompt K/V: a `LayerStack` (scanned layer loop),
   or per-layer states with `scan_layers=False` (unrolled; the same numbers). `in_place`: over
   the prompt K/V's buffers (`_full_stack`; `keeps_prompt_in_place` must hold)."""
@@ -205,7 +210,7 @@ def _method_cache(k, v, qw, lengths, plan, scan_layers: bool, in_place: bool = F
   if in_place:
     cache = _full_stack(k, v, lengths, plan)
   else:
-    cache = _build_stack(k, v, qw, lengths, plan)
+    cache = _build_stack(k, v, qw, lengths, plan, config)
   return cache if scan_layers else llama.unstack_cache(cache)
 
 
@@ -223,7 +228,7 @@ def _method_decode_impl(params, k, v, qw, lengths, first, eos, *, config, plan,
   the cache is built over k and v (`_full_stack`) and the third result is instead their
   buffers handed back, `(k, v)`: the prompt's slots as they were; every slot at or past a
   sequence's length is scratch (this program's new tokens)."""
-  cache = _method_cache(k, v, qw, lengths, plan, scan_layers, in_place)
+  cache = _method_cache(k, v, qw, lengths, plan, scan_layers, in_place, config)
   params = compute_params(params)  # bf16 on a CPU without bf16 dots: upcast once, not per step
   out, steps, cache = _greedy_loop(params, cache, first, lengths, eos, config=config, plan=plan,
                                    max_new_tokens=max_new_tokens)
@@ -244,7 +249,7 @@ def _gold_scores_impl(params, k, v, qw, lengths, first_logits, ids, *, config, p
   loops over one freshly built cache made XLA keep a copy of the cache for each loop next to
   the built one (2.5 caches of temporaries for full KV), while two programs
   called one after the other each hold one."""
-  cache = _method_cache(k, v, qw, lengths, plan, scan_layers, in_place)
+  cache = _method_cache(k, v, qw, lengths, plan, scan_layers, in_place, config)
   params = compute_params(params)
   lp, am, _, cache = teacher_forced.forced_logprobs(params, cache, first_logits, ids, lengths,
                                                     config=config, plan=plan)
@@ -264,7 +269,7 @@ _gold_scores_in_place = jax.jit(functools.partial(_gold_scores_impl, in_place=Tr
 
 @functools.partial(jax.jit, static_argnames=("config", "plan", "max_new_tokens"))
 def _continue_decode(params, cache, first, seen, eos, *, config, plan, max_new_tokens):
-  params, cache = compute_params(params), llama.stack_cache(cache, plan)
+  params, cache = compute_params(params), llama.stack_cache(cache, plan, config.window_layers)
   out, steps, cache = _greedy_loop(params, cache, first, seen, eos, config=config, plan=plan,
                                    max_new_tokens=max_new_tokens)
   return out, steps, llama.unstack_cache(cache)
@@ -274,7 +279,7 @@ def _continue_decode(params, cache, first, seen, eos, *, config, plan, max_new_t
 def _continue_gold(params, cache, first_logits, seen, ids, *, config, plan):
   """Teacher-forces `ids [B, G]` from an existing cache (multi-turn; the cache is not donated:
   the turn's decode runs from it next): log-probs and is-argmax flags, each `[B, G]`."""
-  params, cache = compute_params(params), llama.stack_cache(cache, plan)
+  params, cache = compute_params(params), llama.stack_cache(cache, plan, config.window_layers)
   lp, am, _, _ = teacher_forced.forced_logprobs(params, cache, first_logits, ids, seen,
                                                 config=config, plan=plan)
   return lp, am
@@ -372,7 +377,8 @@ class Runner:
       raise ValueError(f"prompt ({pp.padded_len}) + max_new_tokens ({max_new_tokens}) exceeds "
                        f"the model's context of {self.config.max_position_embeddings}")
     plan = self.plan(method, token_budget, pp.padded_len, max_new_for_plan or max_new_tokens)
-    in_place = not keep_cache and keeps_prompt_in_place(plan, pp.capacity)
+    in_place = (not keep_cache and keeps_prompt_in_place(plan, pp.capacity)
+                and not self.config.window_layers)  # a hybrid's sliding caches are their own
     self.last_forced = None
     if gold is not None:  # its own program, before the decode program (`_gold_scores_impl`)
       gold = np.asarray(gold, np.int32)
@@ -435,7 +441,7 @@ class Runner:
     submit = lambda fn, args: _POOL[0].submit(lambda: fn.lower(*args).compile())
     for method, budget in configs:
       plan = self.plan(method, budget, padded_len, max_new_tokens)
-      in_place = keeps_prompt_in_place(plan, k.shape[3])
+      in_place = keeps_prompt_in_place(plan, k.shape[3]) and not c.window_layers
       donate = (1, 2) if in_place else ()
       key = self._gold_key(plan, k.shape, qw.shape, max_new_tokens)
       if gold and key not in self._futures:
