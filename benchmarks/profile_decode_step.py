@@ -26,15 +26,11 @@ not with the benchmark's wall times.
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import gzip
-import json
 import os
 import sys
-import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_cpu_enable_xprof_traceme=true").strip()
 
@@ -44,8 +40,9 @@ import jax.numpy as jnp  # noqa: E402
 import rocketkv_jax as rocketkv  # noqa: E402
 from rocketkv_jax.stage2_state import attach  # noqa: E402
 
+import decode_steps  # noqa: E402  (benchmarks/decode_steps.py)
+
 HQ, HKV, D = 32, 8, 128
-_SKIP = ("Thunk", "Pjit", "PjRt", "$")  # runtime / Python frames, not ops
 
 
 def _attention_step(a):
@@ -72,40 +69,14 @@ def _attention_step(a):
 
 def _model_step(a):
   """(step(state) -> state, state, title) for a checkpoint's whole decode step."""
-  from rocketkv_jax import methods
-  from rocketkv_jax.models import llama
-  from rocketkv_jax.models.precision import compute_params
-
   model = rocketkv.models.load(rocketkv.models.smollm2_path() if a.model == "smollm2"
                                else a.model, dtype=jnp.dtype(a.dtype))
-  c = model.config
   free = 5 + 2 * a.steps  # slots the plan leaves for the steps run
-  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=a.budget, method=a.method,
-                                             stage2=a.stage2), a.context, free, c.head_dim)
-  method = methods.get(a.method)
-  dense = method.dense_layers(plan)
-  lengths = jnp.full((a.batch,), a.context, jnp.int32)
-  states = []
-  for i in range(c.num_layers):
-    k = jax.random.normal(jax.random.PRNGKey(i), (a.batch, c.num_kv_heads, a.context,
-                                                  c.head_dim), model.params["embed"].dtype)
-    qw = jax.random.normal(jax.random.PRNGKey(1000 + i), (a.batch, c.num_heads,
-                                                          plan.window_size, c.head_dim), k.dtype)
-    states.append(rocketkv.prefill(k, k, qw, plan, lengths=lengths,
-                                   layer=i if i in dense else None))
-  cache = tuple(states) if a.layout == "layers" else llama.stack_cache(tuple(states), plan)
-  params = compute_params(model.params)
-  tokens = jnp.zeros((a.batch,), jnp.int32)
-
-  def one(state):  # (cache, steps taken, logits): the new token's position advances on device;
-    cache, t, _ = state  # the logits are carried so that XLA keeps the last layer and the head
-    logits, cache = llama.decode_step(params, cache, tokens, lengths + t, config=c, plan=plan)
-    return cache, t + 1, logits
-
+  config = rocketkv.RocketConfig(token_budget=a.budget, method=a.method, stage2=a.stage2)
+  run, state, _, _ = decode_steps.model_step(model, config, a.context, a.batch, free, a.layout)
   title = (f"{a.model} {a.dtype} {a.method}@{a.budget} context {a.context} x batch {a.batch}, "
            f"cache as {a.layout}")
-  logits = jnp.zeros((a.batch, model.params["embed"].shape[0]), jnp.float32)
-  return jax.jit(one, donate_argnums=0), (cache, jnp.int32(0), logits), title
+  return run, state, title
 
 
 def main(argv=None):
@@ -142,27 +113,10 @@ def main(argv=None):
     state = step(state)
   jax.block_until_ready(state)
   wall, cpu = (time.perf_counter() - t0) / a.steps, (time.process_time() - c0) / a.steps
-  with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp, create_perfetto_trace=True):
-      for _ in range(a.steps):
-        state = step(state)
-      jax.block_until_ready(state)
-    path = sorted(glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True))[-1]
-    events = json.load(gzip.open(path))
-  events = events["traceEvents"] if isinstance(events, dict) else events
-  total, threads = collections.Counter(), collections.defaultdict(set)
-  for e in events:
-    if e.get("ph") == "X" and not any(s in e["name"] for s in _SKIP):
-      total[e["name"]] += e.get("dur", 0)
-      threads[e["name"]].add(e.get("tid"))
+  us, threads, state = decode_steps.op_profile(step, state, a.steps)
   print(f"{title}: {wall * 1e3:.1f} ms / step wall, {cpu * 1e3:.1f} ms CPU (untraced); "
         f"traced, mean us per step over {a.steps} steps:")
-  shown = 0.0
-  for name, t in total.most_common(a.top):
-    print(f"{t / a.steps:11.1f}  {len(threads[name])} threads  {name}")
-    shown += t / a.steps
-  print(f"{shown:11.1f}  (sum of the {a.top} above; all ops: "
-        f"{sum(total.values()) / a.steps:.1f})")
+  print("\n".join(decode_steps.profile_lines(us, threads, a.top)))
   return 0
 
 

@@ -1,0 +1,106 @@
+"""Shared by benchmarks/profile_decode_step.py and benchmarks/roofline.py: a model's decode step
+built the way `generate` runs it, its timing and its XLA:CPU per-op profile.
+
+The step is `models.llama.decode_step` over random per-layer K/V built by the method's own
+`rocketkv.prefill` (no real prompt pass, so an 8K x 16 step needs no 8K prefill), jitted with
+the cache donated and the parameters as an argument (as in `generate`'s decode program). The
+per-op profile needs XLA_FLAGS to hold --xla_cpu_enable_xprof_traceme=true before jax is
+imported (`TRACEME_FLAG`): the caller sets it.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+import rocketkv_jax as rocketkv
+from rocketkv_jax import methods
+from rocketkv_jax.models import llama
+from rocketkv_jax.models.precision import compute_params
+
+TRACEME_FLAG = "--xla_cpu_enable_xprof_traceme=true"
+_SKIP = ("Thunk", "Pjit", "PjRt", "$")  # runtime / Python frames, not ops
+
+
+def model_step(model, config, context: int, batch: int, free: int, layout: str = "stack"):
+  """(run(state) -> state, state, plan, params) for one decode step of `model`.
+
+  `config` is a `RocketConfig`; `free` the new tokens the plan leaves room for (the steps run).
+  The state is (cache, steps taken, logits): the new token's position advances on device, and
+  the logits are carried so that XLA keeps the last layer and the head. `params` are the ones
+  the step reads (`compute_params`: a bf16 model's fp32 copy on a CPU without bf16 dots)."""
+  c = model.config
+  plan = rocketkv.plan(config, context, free, c.head_dim)
+  dense = methods.get(plan.method).dense_layers(plan)
+  lengths = jnp.full((batch,), context, jnp.int32)
+  states = []
+  for i in range(c.num_layers):
+    k = jax.random.normal(jax.random.PRNGKey(i), (batch, c.num_kv_heads, context, c.head_dim),
+                          model.params["embed"].dtype)
+    qw = jax.random.normal(jax.random.PRNGKey(1000 + i),
+                           (batch, c.num_heads, plan.window_size, c.head_dim), k.dtype)
+    states.append(rocketkv.prefill(k, k, qw, plan, lengths=lengths,
+                                   layer=i if i in dense else None))
+  cache = tuple(states) if layout == "layers" else llama.stack_cache(tuple(states), plan)
+  params = compute_params(model.params)
+  tokens = jnp.zeros((batch,), jnp.int32)
+
+  def one(params, state):
+    cache, t, _ = state
+    logits, cache = llama.decode_step(params, cache, tokens, lengths + t, config=c, plan=plan)
+    return cache, t + 1, logits
+
+  step = jax.jit(one, donate_argnums=1)
+  logits = jnp.zeros((batch, c.vocab_size), jnp.float32)
+  return (lambda state: step(params, state)), (cache, jnp.int32(0), logits), plan, params
+
+
+def time_steps(run, state, steps: int, warmup: int = 3):
+  """(median wall s per step, mean CPU s per step, state): `warmup` steps (compile included),
+  then `steps` steps timed one by one (each waited for)."""
+  for _ in range(warmup):
+    state = run(state)
+  jax.block_until_ready(state)
+  times, c0 = [], time.process_time()
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(run(state))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times), (time.process_time() - c0) / steps, state
+
+
+def op_profile(run, state, steps: int):
+  """(us per step by op name, thread ids by op name, state) over `steps` traced steps."""
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+      for _ in range(steps):
+        state = run(state)
+      jax.block_until_ready(state)
+    path = sorted(glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True))[-1]
+    events = json.load(gzip.open(path))
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  total, threads = collections.Counter(), collections.defaultdict(set)
+  for e in events:
+    if e.get("ph") == "X" and not any(s in e["name"] for s in _SKIP):
+      total[e["name"]] += e.get("dur", 0)
+      threads[e["name"]].add(e.get("tid"))
+  return collections.Counter({k: v / steps for k, v in total.items()}), threads, state
+
+
+def profile_lines(us: collections.Counter, threads, top: int) -> list[str]:
+  """The `top` most expensive ops, one line each (us per step, threads, name), and their sum."""
+  lines, shown = [], 0.0
+  for name, t in us.most_common(top):
+    lines.append(f"{t:11.1f}  {len(threads[name])} threads  {name}")
+    shown += t
+  lines.append(f"{shown:11.1f}  (sum of the {top} above; all ops: {sum(us.values()):.1f})")
+  return lines
