@@ -144,9 +144,17 @@ def decode_accounting(params: dict, config, plan, batch: int, kv_itemsize: int) 
 def prefill_flops(config, n: int) -> float:
   """Matmul FLOPs of one n-token prompt pass, causal attention counted once
   (benchmarks/end_to_end.py's `_prefill_gflop`)."""
-  sys.path.insert(0, _HERE)
-  from end_to_end import _prefill_gflop
-  return _prefill_gflop(config, n) * 1e9
+  return _sibling("end_to_end")._prefill_gflop(config, n) * 1e9
+
+
+def _sibling(name: str):
+  """benchmarks/<name>.py, loaded by path: putting benchmarks/ on sys.path in an importing
+  process (the tests) would let benchmarks/kernels.py shadow the PyPI `kernels` package."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(name, os.path.join(_HERE, f"{name}.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
 
 
 def floor_s(nbytes: float, flops: float, bandwidth: float, rate: float) -> tuple[float, float]:
@@ -309,15 +317,13 @@ def main(argv=None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if a.profile:  # XLA:CPU emits per-op trace events only with this flag, set before jax loads
-    sys.path.insert(0, _HERE)
-    from decode_steps import TRACEME_FLAG
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TRACEME_FLAG}".strip()
+    flag = "--xla_cpu_enable_xprof_traceme=true"  # decode_steps.TRACEME_FLAG, which imports jax
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
   import jax
   import jax.numpy as jnp
   import rocketkv_jax as rocketkv
   from rocketkv_jax.models.precision import native_bf16_cpu
-  sys.path.insert(0, _HERE)
-  import decode_steps
+  decode_steps = _sibling("decode_steps")
 
   dtype = jnp.dtype(a.dtype)
   try:
