@@ -2,7 +2,8 @@
 
     python benchmarks/roofline.py                      # SmolLM2, 4000 / 8000 x batch 1/4/8/16
     python benchmarks/roofline.py --prefill            # + batch-1 prefill at each length
-    python benchmarks/roofline.py --lengths 8000 --batches 8 --methods snapkv --profile
+    python benchmarks/roofline.py --lengths 8000 --batches 8 --methods snapkv --profile \\
+        --layout layers
     python benchmarks/roofline.py --quick              # a tiny random model, seconds (CI)
 
 First it measures this machine once: memory bandwidth (a jitted sum over a large fp32 buffer,
@@ -251,6 +252,9 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--profile", action="store_true",
                   help="per-op profile of the step (one row: one length, batch and method)")
   ap.add_argument("--top", type=int, default=25, help="--profile: ops shown")
+  ap.add_argument("--layout", default="stack", choices=("stack", "layers"),
+                  help="the cache stacked per run of like layers (generate's, default) or one "
+                       "buffer per layer (unrolled layers: a flat --profile op list)")
   ap.add_argument("--quick", action="store_true",
                   help="a tiny random 2-layer model, short prompts, small measurements (CI)")
   ap.add_argument("--json", default=None, metavar="OUT", help="also write the results here")
@@ -355,14 +359,14 @@ def main(argv=None) -> int:
         f"bandwidth {bw / 1e9:.1f} GB/s (sum over {a.bandwidth_mb} MB), matmul "
         f"{machine['fp32_gflops']:.1f} GFLOP/s fp32, {machine['bf16_gflops']:.1f} bf16 "
         f"({a.matmul_n}^3); FLOP floor at the {machine['rate_used']} rate")
-  print(f"decode step: median of {a.steps} after {a.warmup}\n")
+  print(f"decode step: median of {a.steps} after {a.warmup}, cache as {a.layout}\n")
   print("| prompt | batch | method | measured ms | bytes floor ms | FLOP floor ms | floor ms "
         "| measured/floor | MB read | GFLOP |")
   print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
   out = []
   free = a.warmup + a.steps + 1
   for n, b, spec, cfg in rows:
-    run, state, plan, params = decode_steps.model_step(model, cfg, n, b, free)
+    run, state, plan, params = decode_steps.model_step(model, cfg, n, b, free, a.layout)
     acc = decode_accounting(params, c, plan, b, dtype.itemsize)
     med, cpu, state = decode_steps.time_steps(run, state, a.steps, a.warmup)
     tb, tf = floor_s(acc["bytes"], acc["flops"], bw, rate)
@@ -377,7 +381,8 @@ def main(argv=None) -> int:
     if a.profile:
       us, threads, state = decode_steps.op_profile(run, state, a.steps)
       print(f"\nper-op profile, mean us per step over {a.steps} traced steps (profiling adds "
-            f"overhead: compare ops with each other):")
+            f"overhead: compare ops with each other; with --layout stack the layer scan's "
+            f"while op encloses the per-layer ops, so they count twice in the sum):")
       print("\n".join(decode_steps.profile_lines(us, threads, a.top)))
     del run, state
 
