@@ -142,7 +142,11 @@ def main(argv=None):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
   t0 = time.perf_counter()
-  model = M.load(a.model or M.smollm2_path(), dtype=jnp.dtype(a.dtype))
+  try:
+    model = M.load(a.model or M.smollm2_path(), dtype=jnp.dtype(a.dtype))
+  except (ValueError, OSError) as e:  # a missing path, a corrupt or mismatched checkpoint
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
   os.makedirs(a.out, exist_ok=True)
   partial_path = os.path.join(a.out, f"{a.name}.partial.json")
 

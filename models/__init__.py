@@ -12,7 +12,8 @@ Modules: `config` (ModelConfig), `rope`, `attention` (blockwise causal prefill),
 
 from rocketkv_jax.models.api import Model, load, load_config, smollm2_path
 from rocketkv_jax.models.config import ModelConfig, RopeScaling
+from rocketkv_jax.models.errors import CheckpointError
 from rocketkv_jax.models.tokenizer import Tokenizer
 
-__all__ = ["Model", "ModelConfig", "RopeScaling", "Tokenizer", "load", "load_config",
+__all__ = ["CheckpointError", "Model", "ModelConfig", "RopeScaling", "Tokenizer", "load", "load_config",
            "smollm2_path"]
