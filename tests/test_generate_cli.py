@@ -86,6 +86,21 @@ def test_help_explains_the_demo():
   assert "KV read per step" in proc.stdout and "cache reduction" in proc.stdout
   # the example commands keep their line continuations (no run-together "\" lines)
   assert "--method snapkv \\\n        --budget 512" in proc.stdout
+  assert proc.stdout.count("--quick \\\n        --mesh 2,3 --coordinator") == 2
+
+
+def test_script_docstrings_keep_their_line_continuations():
+  """A backslash at the end of a line of a (non-raw) docstring joins it with the next: every
+  script's --help text and docstring must show the example commands line by line."""
+  import ast
+  import re
+
+  root = SCRIPT.parents[1]
+  scripts = sorted((root / "examples").glob("*.py")) + sorted((root / "benchmarks").glob("*.py"))
+  assert len(scripts) > 5
+  for path in scripts:
+    doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+    assert not re.search(r"\S {4,}--", doc), path  # "...--quick        --mesh": run together
 
 
 def _load_script(monkeypatch):
