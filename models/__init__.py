@@ -15,5 +15,5 @@ from rocketkv_jax.models.config import ModelConfig, RopeScaling
 from rocketkv_jax.models.errors import CheckpointError
 from rocketkv_jax.models.tokenizer import Tokenizer
 
-__all__ = ["CheckpointError", "Model", "ModelConfig", "RopeScaling", "Tokenizer", "load", "load_config",
-           "smollm2_path"]
+__all__ = ["CheckpointError", "Model", "ModelConfig", "RopeScaling", "Tokenizer", "load",
+           "load_config", "smollm2_path"]
