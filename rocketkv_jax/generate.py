@@ -51,12 +51,16 @@ Decisions where the issue is silent:
     (`rocketkv_jax.sampling`).
   * A cache overflow (an append into a full cache, which the core drops) raises RuntimeError on
     the host after the loop; it cannot happen with a plan made for these lengths.
-  * Stats: `kv_tokens_kept` is the number of valid cache slots per KV head after prefill
-    (stage 1), `kv_tokens_read` the tokens attended per decode step (the method's
-    `layer_reads`: top-k for sparse methods, else the whole valid cache), both the mean over
-    layers (rounded), and `compression_ratio` = (prompt + new tokens) / that mean read. A
-    method's dense layers (Quest's first two, RocketKV's `skip_layers`) count their whole
-    cache; `kv_tokens_kept_per_layer` / `kv_tokens_read_per_layer` give each layer's.
+  * Stats: per row, `kv_tokens_kept_per_row` is the number of valid cache slots per KV head
+    after prefill (stage 1), `kv_tokens_read_per_row` the tokens attended per decode step at
+    the last step (the method's `layer_reads`: top-k for sparse methods, else the whole valid
+    cache), both the mean over layers (rounded), `kv_tokens_full_per_row` that row's prompt +
+    new tokens and `compression_ratio_per_row` = full / read. The scalars `kv_tokens_kept`,
+    `kv_tokens_read`, `kv_tokens_full` are the mean over rows (rounded) and
+    `compression_ratio` = mean full / mean read; rows of different lengths keep different
+    numbers of tokens (full KV keeps each row's own prompt). A method's dense layers (Quest's
+    first two, RocketKV's `skip_layers`) count their whole cache;
+    `kv_tokens_kept_per_layer` / `kv_tokens_read_per_layer` give each layer's mean over rows.
     Times are wall-clock with compilation reported separately (`compile_s`). `kv_cache_bytes` is
     the size of every layer's KV state; `peak_bytes` XLA's memory estimate (arguments + outputs +
     temporaries) of the larger of the two compiled programs.
@@ -111,12 +115,12 @@ def prefill_program(params, tokens, lengths, key, sampler, *, config, plan, bloc
                     out_sharding):
   """`generate`'s prompt pass (jit with the keywords static): the right-padded batch
   `tokens [B, T]` -> (token 0 `[B]`, the stacked per-layer KV states, kept prompt tokens per
-  layer `[N]`, the largest row's)."""
+  layer and row `[N, B]`)."""
   logits, cache = llama.prefill(params, tokens, lengths, config=config, plan=plan,
                                 block_size=block_size, impl=impl, stacked=True)
   view = methods.get(plan.method).view
-  # [N] per layer, replicated (a stacked group's lengths are [layers, B])
-  kept = jnp.concatenate([jnp.max(view(g).length, axis=-1).reshape(-1) for g in cache.groups])
+  # [N, B], replicated (a stacked group's lengths are [layers, B])
+  kept = jnp.concatenate([view(g).length.reshape(-1, tokens.shape[0]) for g in cache.groups])
   return sampler(logits, jax.random.fold_in(key, 0)), cache, _host_out(kept, out_sharding)
 
 
@@ -354,7 +358,7 @@ class _Run:
 
   tokens: np.ndarray  # [len(ids), max_new_tokens]
   steps: int
-  kept_per_layer: list[int]
+  kept: np.ndarray  # [layers, len(ids)] prompt tokens kept per layer and row
   kv_bytes: int
   prefill_s: float
   decode_s: float
@@ -379,7 +383,7 @@ def _run(model, inp: _Inputs, *, programs: ProgramCache, stream, block_size, imp
   first.block_until_ready()
   prefill_s = time.perf_counter() - t0
   say.done(prefill_s)
-  kept_per_layer = [int(x) for x in np.asarray(kv_kept)]
+  kept = np.asarray(kv_kept)[:, :n].astype(np.int64)
   # the caller's rows only (every row's state has the same size): not the "dp" padding
   kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache)) * n // inp.rows
 
@@ -415,7 +419,7 @@ def _run(model, inp: _Inputs, *, programs: ProgramCache, stream, block_size, imp
         f"KV cache overflow for batch rows {np.nonzero(overflow.any(0))[0]}"
         f" (capacity {plan.capacity}); the plan was made for prompt_len={inp.length}, "
         f"max_new_tokens={inp.max_new_tokens}")
-  return _Run(tokens=out, steps=steps, kept_per_layer=kept_per_layer, kv_bytes=int(kv_bytes),
+  return _Run(tokens=out, steps=steps, kept=kept, kv_bytes=int(kv_bytes),
               prefill_s=prefill_s, decode_s=decode_s, compile_s=pre_compile + dec_compile,
               peak_bytes=max(_peak_bytes(pre_exe), _peak_bytes(dec_exe)))
 
@@ -423,20 +427,28 @@ def _run(model, inp: _Inputs, *, programs: ProgramCache, stream, block_size, imp
 def _stats(inp: _Inputs, run: _Run, result_tokens: list[list[int]]) -> dict[str, Any]:
   """`GenerationResult.stats` (the module docstring says what each number is)."""
   plan, n, steps = inp.plan, len(inp.ids), run.steps
-  new = max(len(t) for t in result_tokens)
-  kept_per_layer = run.kept_per_layer
-  read_per_layer = inp.method_obj.layer_reads(plan, kept_per_layer, steps)
-  read = float(np.mean(read_per_layer))
+  new = [len(t) for t in result_tokens]
+  # [layers, rows]: per row, its own kept prompt tokens and the reads they imply
+  read = np.array([inp.method_obj.layer_reads(plan, [int(x) for x in run.kept[:, b]], steps)
+                   for b in range(n)], np.float64).T
+  full = inp.lengths.astype(np.float64) + np.array(new)
+  read_rows = read.mean(0)
   return dict(
       method=plan.method, token_budget=plan.token_budget, batch=n,
-      prompt_lengths=inp.lengths.tolist(), new_tokens=[len(t) for t in result_tokens],
+      prompt_lengths=inp.lengths.tolist(), new_tokens=new,
       decode_steps=steps - 1, prefill_s=run.prefill_s, decode_s=run.decode_s,
       decode_ms_per_token=1e3 * run.decode_s / max(steps - 1, 1),
       decode_tokens_per_s=(steps - 1) * n / run.decode_s if steps > 1 else 0.0,
       compile_s=run.compile_s,
-      kv_tokens_full=inp.longest + new, kv_tokens_kept=round(float(np.mean(kept_per_layer))),
-      kv_tokens_read=round(read), compression_ratio=(inp.longest + new) / max(read, 1.0),
-      kv_tokens_kept_per_layer=kept_per_layer, kv_tokens_read_per_layer=read_per_layer,
+      kv_tokens_full=round(float(full.mean())), kv_tokens_kept=round(float(run.kept.mean())),
+      kv_tokens_read=round(float(read_rows.mean())),
+      compression_ratio=float(full.mean() / max(read_rows.mean(), 1.0)),
+      kv_tokens_full_per_row=[int(x) for x in full],
+      kv_tokens_kept_per_row=[round(float(x)) for x in run.kept.mean(0)],
+      kv_tokens_read_per_row=[round(float(x)) for x in read_rows],
+      compression_ratio_per_row=[float(f / max(r, 1.0)) for f, r in zip(full, read_rows)],
+      kv_tokens_kept_per_layer=[round(float(x)) for x in run.kept.mean(1)],
+      kv_tokens_read_per_layer=[round(float(x)) for x in read.mean(1)],
       capacity=plan.capacity, plan=plan, kv_cache_bytes=run.kv_bytes,
       peak_bytes=run.peak_bytes,
   )

@@ -37,7 +37,11 @@ def test_greedy_full_kv_matches_transformers_generate(name):
   for prompt, got in zip(prompts, res.tokens):
     assert got == _hf_greedy(ref_model, prompt, 32)
   assert res.stats["new_tokens"] == [32, 32]
-  assert res.stats["kv_tokens_kept"] == 40 and res.stats["compression_ratio"] == 1.0
+  # full KV keeps each row's own prompt (40 and 27 tokens), not the longest row's
+  st = res.stats
+  assert st["kv_tokens_kept_per_row"] == [40, 27] and st["kv_tokens_kept"] == round(33.5)
+  assert st["kv_tokens_full_per_row"] == st["kv_tokens_read_per_row"] == [72, 59]
+  assert st["compression_ratio_per_row"] == [1.0, 1.0] and st["compression_ratio"] == 1.0
 
 
 def test_rocketkv_without_compression_matches_transformers_sliding_window():
@@ -78,7 +82,7 @@ def test_every_method_generates(method):
     assert st["kv_tokens_kept"] < 40  # stage 1 evicted prompt tokens
   dense = set(methods.get(method).dense_layers(st["plan"]))
   if dense >= set(range(model.config.num_layers)):  # quest on 2 layers: both dense, all read
-    assert st["kv_tokens_read"] == 40 + 6 and st["compression_ratio"] == 1.0
+    assert st["kv_tokens_read_per_row"] == [40 + 6, 27 + 6] and st["compression_ratio"] == 1.0
   else:
     assert st["compression_ratio"] > 1.0
 
@@ -140,7 +144,7 @@ def test_pad_to_plans_for_the_padded_length_and_padding_changes_no_tokens():
   assert plan == rocketkv.plan(cfg, 64, 6, d)
   assert plan != rocketkv.plan(cfg, 40, 6, d)
   assert 27 < plan.prompt_budget < 40  # the 40-token prompt loses tokens to stage 1
-  assert padded.stats["kv_tokens_full"] == 40 + 6  # stats count the real prompt tokens
+  assert padded.stats["kv_tokens_full_per_row"] == [40 + 6, 27 + 6]  # the real prompt tokens
   same_split = dataclasses.replace(
       cfg, capacity=plan.capacity, prompt_budget=plan.prompt_budget, top_k=plan.top_k,
       chunk_size=plan.chunk_size, r=plan.r)
