@@ -395,9 +395,8 @@ def _run(model, inp: _Inputs, *, programs: ProgramCache, stream, block_size, imp
     # the stream sees the caller's rows, not the "dp" padding
     stream_id = sink.register(lambda step, t, done: stream(step, t[:n], done[:n]))
     sid = np.asarray(stream_id, np.int32)
-    if inp.out_sharding is not None:
-      sid = sharding_lib.global_array(sid, inp.out_sharding)
-    dec_args += (jnp.asarray(sid) if inp.out_sharding is None else sid,)
+    dec_args += (jnp.asarray(sid) if inp.out_sharding is None
+                 else sharding_lib.global_array(sid, inp.out_sharding),)
   say.start("compiling decode")
   try:
     dec_exe, dec_compile = programs.get(
