@@ -21,7 +21,7 @@ the machine hits them alike) and prints each one's step time, bytes read per ste
 held (one layer's decode state: K/V plus bounds or codes) as ratios to minmax (issue #13's
 targets: <= 1.3x the time, <= 1.2x the bytes read):
 
-    python benchmarks/decode_attention.py --contexts 32768 --budgets 256 --dtypes bfloat16 \
+    python benchmarks/decode_attention.py --contexts 32768 --budgets 256 --dtypes bfloat16 \\
         --stage2 minmax rerank lowrank quant quant_equal_read
 
 With `--skip-layers N` (`RocketConfig.skip_layers`, an ablation) the first N of `--num-layers`

@@ -65,9 +65,9 @@ def main(argv=None):
       cache = jax.eval_shape(pre, params, tokens, vec)[1]
 
       def dec(params, cache, first, lengths, eos, plan=plan):
-        return generate_lib._decode_fn(
+        return generate_lib.decode_program(
             params, cache, first, lengths, jax.random.PRNGKey(0), sampling.Greedy(), eos,
-            config=c, plan=plan, max_new_tokens=a.new_tokens, stream=False, impl="auto",
+            config=c, plan=plan, max_new_tokens=a.new_tokens, stream=None, impl="auto",
             out_sharding=None)
 
       t0 = time.perf_counter()

@@ -19,11 +19,19 @@ every (method, budget); the same seed gives identical records.
 Output goes to a new scratch folder, runs/<timestamp>/ (git-ignored), unless --out names
 another. A folder that already holds files (such as the committed results/) is written into
 only with --overwrite, which replaces <name>.* there and removes its stale plots.
+
+Interrupted runs: after every prompt batch the records so far go to <out>/<name>.partial.json
+(replaced atomically). `--resume DIR` continues that sweep with the arguments it was started
+with (given again, they must describe the same sweep): finished batches are skipped, and the
+records end identical to an uninterrupted run's.
+
+    python examples/evaluate.py --resume runs/20250101-120000
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -71,7 +79,67 @@ def _write(results, out: str, name: str) -> dict[str, str]:
   return paths
 
 
+def _save_atomically(res: dict, path: str) -> None:
+  """`report.save_json` to a temporary file, then renamed over `path`: a run killed while
+  writing leaves the previous partial results whole."""
+  tmp = path + ".tmp"
+  report.save_json(res, tmp)
+  os.replace(tmp, path)
+
+
+_NOT_RESUMED = {"--out": 1, "--overwrite": 0, "--resume": 1}  # flag -> values it takes
+
+
+def resumed_argv(argv: list[str]) -> tuple[list[str], dict | None, str | None]:
+  """(arguments, saved partial results, folder): with `--resume DIR`, the saved run's arguments
+  followed by the ones given now (later ones win), and the partial results to continue."""
+  folder = None
+  for i, x in enumerate(argv):
+    if x == "--resume" and i + 1 < len(argv):
+      folder = argv[i + 1]
+    elif x.startswith("--resume="):
+      folder = x.split("=", 1)[1]
+  if folder is None:
+    return argv, None, None
+  name = None
+  for i, x in enumerate(argv):
+    if x == "--name" and i + 1 < len(argv):
+      name = argv[i + 1]
+  if name is None:  # the one interrupted run in the folder, whatever its --name
+    found = sorted(f[:-len(".partial.json")] for f in (os.listdir(folder) if os.path.isdir(
+        folder) else []) if f.endswith(".partial.json"))
+    name = found[0] if len(found) == 1 else "results"
+    if len(found) > 1:
+      raise ValueError(f"--resume {folder!r}: several interrupted runs there {found}; pass "
+                       "--name to pick one")
+  path = os.path.join(folder, f"{name}.partial.json")
+  if not os.path.isfile(path):
+    raise ValueError(f"--resume {folder!r}: expected {name}.partial.json there (an interrupted "
+                     "run's; a finished run leaves <name>.json and nothing to resume)")
+  try:
+    saved = report.load_json(path)
+    old = list(saved["argv"])
+  except (ValueError, KeyError, TypeError) as e:
+    raise ValueError(f"--resume {folder!r}: {path!r} is not a partial results file of this "
+                     f"script ({type(e).__name__}: {e})") from None
+  kept, i = [], 0
+  while i < len(old):
+    flag = old[i].split("=", 1)[0]
+    if flag in _NOT_RESUMED:
+      i += 1 + (_NOT_RESUMED[flag] if "=" not in old[i] else 0)
+      continue
+    kept.append(old[i])
+    i += 1
+  return kept + argv, saved, folder
+
+
 def main(argv=None):
+  argv = list(sys.argv[1:] if argv is None else argv)
+  try:
+    full_argv, saved, _ = resumed_argv(argv)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -112,7 +180,10 @@ def main(argv=None):
                  help="only merge these result files (e.g. one per length) into --out/--name; "
                  "PATH:TASK,TASK takes only those tasks from a file (leave out a task a later "
                  "run replaces)")
-  a = p.parse_args(argv)
+  p.add_argument("--resume", default=None, metavar="DIR",
+                 help="continue the interrupted sweep whose <name>.partial.json is in DIR, "
+                      "with the arguments it was started with; writes into DIR")
+  a = p.parse_args(full_argv)
   try:
     if importlib.util.find_spec("matplotlib") is None:  # fail now, not after an hour's run
       raise ValueError('the plots need matplotlib: pip install -e ".[eval]"')
@@ -125,7 +196,14 @@ def main(argv=None):
         data_dir=a.data_dir, datasets=tuple(a.datasets) if a.datasets else None,
         multiturn_methods=tuple(a.mt_methods), diagnostics=a.diagnostics or a.diagnostics_only,
         decode=not a.diagnostics_only, gold_score=not a.no_gold_score)
-    a.out = output_dir(a.out, a.overwrite)
+    if a.resume is not None:
+      a.out = a.resume
+      try:  # the sweep's own fields now; the model's once it is loaded (run_sweep)
+        harness.check_resume(saved, dict(saved.get("config", {}), **dataclasses.asdict(cfg)))
+      except ValueError as e:
+        raise ValueError(f"--resume {a.resume!r}: {str(e).removeprefix('resume: ')}") from None
+    else:
+      a.out = output_dir(a.out, a.overwrite)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
@@ -142,21 +220,31 @@ def main(argv=None):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
   t0 = time.perf_counter()
-  model = M.load(a.model or M.smollm2_path(), dtype=jnp.dtype(a.dtype))
+  try:
+    model = M.load(a.model or M.smollm2_path(), dtype=jnp.dtype(a.dtype))
+  except (ValueError, OSError) as e:  # a missing path, a corrupt or mismatched checkpoint
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
   os.makedirs(a.out, exist_ok=True)
   partial_path = os.path.join(a.out, f"{a.name}.partial.json")
 
-  def save_partial(res):  # completed (task, length) groups, in case the run is interrupted
-    res = dict(res, command="python examples/evaluate.py " + " ".join(
-        sys.argv[1:] if argv is None else argv), partial=True)
-    report.save_json(res, partial_path)
+  command = "python examples/evaluate.py " + " ".join(argv)
 
-  results = harness.run_sweep(model, cfg, progress=not a.no_progress, on_group=save_partial)
+  def save_partial(res):  # finished prompt batches, in case the run is interrupted
+    _save_atomically(dict(res, command=command, argv=full_argv, partial=True), partial_path)
+
+  try:
+    results = harness.run_sweep(model, cfg, progress=not a.no_progress, on_batch=save_partial,
+                                resume=saved)
+  except ValueError as e:
+    if saved is None or not str(e).startswith("resume:"):
+      raise
+    print(f"error: --resume {a.resume!r}: {str(e).removeprefix('resume: ')}", file=sys.stderr)
+    raise SystemExit(2) from None
   if os.path.exists(partial_path):
     os.remove(partial_path)
   results["timing"]["wall_s_including_load"] = time.perf_counter() - t0
-  results["command"] = "python examples/evaluate.py " + " ".join(
-      sys.argv[1:] if argv is None else argv)
+  results["command"] = command
   paths = _write(results, a.out, a.name)
   print(report.markdown(results))
   for k, v in paths.items():

@@ -39,9 +39,9 @@ lines, the streamed answer and the table); the others print nothing but errors.
 
     # one machine, 2 processes x 3 CPU devices each: SmolLM2's 3 KV heads over tp=3 inside
     # each process, the batch over dp=2 across them (the demo's one prompt is padded to 2)
-    XLA_FLAGS=--xla_force_host_platform_device_count=3 python examples/generate.py --quick \
+    XLA_FLAGS=--xla_force_host_platform_device_count=3 python examples/generate.py --quick \\
         --mesh 2,3 --coordinator localhost:9876 --num-processes 2 --process-id 0 &
-    XLA_FLAGS=--xla_force_host_platform_device_count=3 python examples/generate.py --quick \
+    XLA_FLAGS=--xla_force_host_platform_device_count=3 python examples/generate.py --quick \\
         --mesh 2,3 --coordinator localhost:9876 --num-processes 2 --process-id 1
 
 User errors print one line (`error: ...`) and exit with status 2, before the model is loaded

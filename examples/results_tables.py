@@ -4,9 +4,9 @@
     python examples/results_tables.py results/results.json claims       # issue #5's two checks
     python examples/results_tables.py results/results.json means        # the summary in docs/evaluation.md
     python examples/results_tables.py --compare full --budget 256 results/results.json
-    python examples/results_tables.py results/results.json --compare full --budget 256 \
+    python examples/results_tables.py results/results.json --compare full --budget 256 \\
         --methods rocketkv snapkv
-    python examples/results_tables.py A.json --targets METHOD --budget 256 --with B.json ... \
+    python examples/results_tables.py A.json --targets METHOD --budget 256 --with B.json ... \\
         --baselines-from SWEEP.json ...
 
 `claims`: per (task, length), full KV vs RocketKV at B=256, and whether RocketKV is at or above

@@ -13,7 +13,8 @@ a Flax NNX module whose `nnx.split` state drives the jitted programs).
 
 from rocketkv_jax.models.api import Model, gemma3_path, load, load_config, smollm2_path
 from rocketkv_jax.models.config import ModelConfig, RopeScaling
+from rocketkv_jax.models.errors import CheckpointError
 from rocketkv_jax.models.tokenizer import Tokenizer
 
-__all__ = ["Model", "ModelConfig", "RopeScaling", "Tokenizer", "gemma3_path", "load",
-           "load_config", "smollm2_path"]
+__all__ = ["CheckpointError", "Model", "ModelConfig", "RopeScaling", "Tokenizer", "gemma3_path",
+           "load", "load_config", "smollm2_path"]

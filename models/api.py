@@ -19,6 +19,7 @@ import numpy as np
 
 from rocketkv_jax.models import gguf_loader, hf_loader, llama, sharding
 from rocketkv_jax.models.config import ModelConfig
+from rocketkv_jax.models.errors import CheckpointError, cause
 from rocketkv_jax.models.tokenizer import Tokenizer
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -121,6 +122,31 @@ def _kind(path: str) -> str:
   raise ValueError(f"model path {path!r} must be a Hugging Face directory or a .gguf file")
 
 
+def _hf_tokenizer(path: str) -> Tokenizer | None:
+  try:
+    return Tokenizer.from_hf_dir(path)
+  except Exception as e:  # pylint: disable=broad-except  # the tokenizers library's own errors
+    raise CheckpointError(os.path.join(path, "tokenizer.json"),
+                          f"expected a Hugging Face tokenizer (tokenizer.json + "
+                          f"tokenizer_config.json), cannot read it: {cause(e)}") from e
+
+
+def _gguf_config(path: str):
+  """(reader, ModelConfig, Tokenizer) of a GGUF file; bad metadata raises CheckpointError."""
+  reader = gguf_loader.open_gguf(path)
+  try:
+    meta = gguf_loader.read_metadata(reader)
+    config = gguf_loader.config_from_gguf(meta, {t.name: t for t in reader.tensors})
+    return reader, config, Tokenizer.from_gguf_fields(meta)
+  except CheckpointError:
+    raise
+  except ValueError as e:
+    raise CheckpointError(path, str(e)) from e
+  except Exception as e:  # pylint: disable=broad-except  # missing or mistyped metadata
+    raise CheckpointError(path, f"expected llama-architecture GGUF metadata (llama.* and "
+                          f"tokenizer.ggml.* fields), cannot read it: {cause(e)}") from e
+
+
 def load_config(path: str) -> tuple[ModelConfig, Tokenizer | None]:
   """A checkpoint's config and tokenizer without its weights: a fast check before `load`.
 
@@ -129,11 +155,9 @@ def load_config(path: str) -> tuple[ModelConfig, Tokenizer | None]:
   path = os.fspath(path)
   if _kind(path) == "hf":
     config, _ = hf_loader.read_hf_config(path)
-    return config, Tokenizer.from_hf_dir(path)
-  reader = gguf_loader.open_gguf(path)
-  meta = gguf_loader.read_metadata(reader)
-  config = gguf_loader.config_from_gguf(meta, {t.name: t for t in reader.tensors})
-  return config, Tokenizer.from_gguf_fields(meta)
+    return config, _hf_tokenizer(path)
+  _, config, tokenizer = _gguf_config(path)
+  return config, tokenizer
 
 
 def load(path: str, dtype=jnp.float32, mesh: "jax.sharding.Mesh | None" = None) -> Model:
@@ -150,9 +174,10 @@ def load(path: str, dtype=jnp.float32, mesh: "jax.sharding.Mesh | None" = None) 
 
   Raises:
     FileNotFoundError: the path, config.json or a weights file is missing.
-    ValueError: not a GGUF file / unreadable config, unsupported architecture / rope type /
-      dtype, config-weights shape mismatch, or a mesh whose "tp" size does not divide
-      num_kv_heads. Every path error names the path.
+    CheckpointError (a ValueError; one line naming the file and what was expected there): a
+      corrupt or truncated safetensors / GGUF / config.json / tokenizer.json, a missing tensor,
+      an unsupported architecture or rope type, a config-weights shape mismatch.
+    ValueError: a bad dtype, or a mesh whose "tp" size does not divide num_kv_heads.
   """
   dtype = jnp.dtype(dtype)
   if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
@@ -163,10 +188,8 @@ def load(path: str, dtype=jnp.float32, mesh: "jax.sharding.Mesh | None" = None) 
     config, _ = hf_loader.read_hf_config(path)
     shardings = None if mesh is None else sharding.param_shardings(config, mesh)
     params = hf_loader.load_hf_params(path, config, dtype, shardings)
-    return Model(config, params, Tokenizer.from_hf_dir(path), path)
-  reader = gguf_loader.open_gguf(path)
-  meta = gguf_loader.read_metadata(reader)
-  config = gguf_loader.config_from_gguf(meta, {t.name: t for t in reader.tensors})
+    return Model(config, params, _hf_tokenizer(path), path)
+  reader, config, tokenizer = _gguf_config(path)
   shardings = None if mesh is None else sharding.param_shardings(config, mesh)
   params = gguf_loader.load_gguf_params(reader, config, dtype, shardings)
-  return Model(config, params, Tokenizer.from_gguf_fields(meta), path)
+  return Model(config, params, tokenizer, path)

@@ -19,6 +19,7 @@ import jax
 import tokenizers
 
 from rocketkv_jax.models.config import ModelConfig, RopeScaling
+from rocketkv_jax.models.errors import CheckpointError, cause
 from rocketkv_jax.models.tokenizer import Tokenizer
 
 
@@ -45,7 +46,11 @@ def save(model, directory: str) -> None:
 
 
 def restore(directory: str, shardings=None):
-  """Reads a model written by `save`; `shardings` optionally places each parameter."""
+  """Reads a model written by `save`; `shardings` optionally places each parameter.
+
+  Raises FileNotFoundError (not a saved model) or CheckpointError (naming the file that is
+  unreadable or inconsistent).
+  """
   import orbax.checkpoint as ocp
   from rocketkv_jax.models.api import Model
 
@@ -53,23 +58,32 @@ def restore(directory: str, shardings=None):
   cfg_file = os.path.join(directory, "model_config.json")
   if not os.path.isfile(cfg_file):
     raise FileNotFoundError(f"no model_config.json in {directory!r} (not a saved model)")
-  with open(cfg_file) as f:
-    raw = json.load(f)
-  raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
-  raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
-  for key in ("rope_freq_factors", "layer_types"):  # JSON lists -> hashable tuples
-    if raw.get(key) is not None:
-      raw[key] = tuple(raw[key])
-  config = ModelConfig(**raw)
+  try:
+    with open(cfg_file) as f:
+      raw = json.load(f)
+    raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
+    raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+    for key in ("rope_freq_factors", "layer_types"):  # JSON lists -> hashable tuples
+      if raw.get(key) is not None:
+        raw[key] = tuple(raw[key])
+    config = ModelConfig(**raw)
+  except Exception as e:  # pylint: disable=broad-except  # bad JSON, missing / extra fields
+    raise CheckpointError(cfg_file, f"expected the ModelConfig fields `save` writes: "
+                          f"{cause(e)}") from e
   ckpt = ocp.StandardCheckpointer()
-  if shardings is None:
-    params = ckpt.restore(os.path.join(directory, "params"))
-  else:
-    meta = ckpt.metadata(os.path.join(directory, "params"))
-    tree = getattr(meta, "item_metadata", meta)
-    target = jax.tree.map(
-        lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), tree, shardings)
-    params = ckpt.restore(os.path.join(directory, "params"), target)
+  params_dir = os.path.join(directory, "params")
+  try:
+    if shardings is None:
+      params = ckpt.restore(params_dir)
+    else:
+      meta = ckpt.metadata(params_dir)
+      tree = getattr(meta, "item_metadata", meta)
+      target = jax.tree.map(
+          lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), tree, shardings)
+      params = ckpt.restore(params_dir, target)
+  except Exception as e:  # pylint: disable=broad-except  # orbax's errors for a damaged tree
+    raise CheckpointError(params_dir, f"expected an orbax parameter tree written by `save`: "
+                          f"{cause(e)}") from e
   tokenizer = None
   tj = os.path.join(directory, "tokenizer.json")
   if os.path.isfile(tj):

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rocketkv_jax.models.config import ModelConfig, RopeScaling
+from rocketkv_jax.models.errors import CheckpointError, cause
 from rocketkv_jax.models.llama import param_shapes
 from rocketkv_jax.models.sharding import global_array
 
@@ -42,14 +43,14 @@ GGUF_MAGIC = b"GGUF"
 
 
 def check_magic(path: str) -> None:
-  """Raises a ValueError naming `path` unless it starts with the GGUF magic bytes."""
+  """Raises a CheckpointError naming `path` unless it starts with the GGUF magic bytes."""
   if not os.path.isfile(path):
     raise FileNotFoundError(f"GGUF file {path!r} does not exist")
   with open(path, "rb") as f:
     magic = f.read(len(GGUF_MAGIC))
   if magic != GGUF_MAGIC:
-    raise ValueError(f"{path!r} is not a GGUF file: expected the magic bytes {GGUF_MAGIC!r} at "
-                     f"its start, found {magic!r}")
+    raise CheckpointError(path, f"expected a GGUF file (the magic bytes {GGUF_MAGIC!r} at its "
+                          f"start), found {magic!r}")
 
 
 class GGUFTensor(NamedTuple):
@@ -137,14 +138,15 @@ def open_gguf(path: str) -> GGUFFile:
   """The file's metadata and memory-mapped tensors (`GGUFFile`).
 
   Raises:
-    FileNotFoundError: no such file. ValueError (naming the file): not a readable GGUF file.
+    FileNotFoundError: no such file. CheckpointError (naming the file): not a readable GGUF
+      file.
   """
   check_magic(path)
   try:
     return _parse(path)
   except Exception as e:  # pylint: disable=broad-except  # truncated / corrupt: any error type
-    raise ValueError(f"cannot read GGUF file {path!r} (truncated or corrupt?): "
-                     f"{type(e).__name__}: {e}") from e
+    raise CheckpointError(path, f"expected a GGUF file, cannot read it (truncated or corrupt?): "
+                          f"{cause(e)}") from e
 
 
 def read_metadata(reader: GGUFFile) -> dict[str, Any]:
@@ -238,23 +240,28 @@ def load_gguf_params(reader, config: ModelConfig, dtype=jnp.float32, shardings=N
       so each process's host dequantises whole tensors, one at a time.
 
   Raises:
-    ValueError: a missing tensor or a shape mismatch against the metadata.
+    CheckpointError (naming the file): a missing, unreadable or misshapen tensor.
   """
   tensors = {t.name: t for t in reader.tensors}
   shapes = param_shapes(config)
+  path = reader.path
 
   def get(name, want, transpose, heads=None):
     if name not in tensors:
-      raise ValueError(f"tensor {name!r} missing from the GGUF file")
-    w = _dequantize(tensors[name])
+      raise CheckpointError(path, f"expected the tensor {name!r}, which is not there")
+    try:
+      w = _dequantize(tensors[name])
+    except Exception as e:  # pylint: disable=broad-except  # truncated data, unknown quant type
+      raise CheckpointError(path, f"cannot read the tensor {name!r} (truncated or corrupt?): "
+                            f"{cause(e)}") from e
     if heads is not None:
       w = unpermute_rope_rows(w, heads)
     if transpose:
       w = w.T
     if w.shape != tuple(want):
-      raise ValueError(
-          f"shape mismatch between GGUF metadata and weights: {name!r} has shape {w.shape} "
-          f"(after transpose), metadata implies {tuple(want)}")
+      raise CheckpointError(
+          path, f"shape mismatch between GGUF metadata and weights: expected {name!r} of shape "
+          f"{tuple(want)} (from the metadata, after transpose), found {w.shape}")
     return w.astype(np.dtype(dtype), copy=False)
 
   def place(x, sh):

@@ -18,6 +18,7 @@ import numpy as np
 from safetensors import safe_open
 
 from rocketkv_jax.models.config import ModelConfig
+from rocketkv_jax.models.errors import CheckpointError, cause
 from rocketkv_jax.models.llama import param_shapes
 
 # our name -> (HF name template, transpose?); "{i}" is the layer index.
@@ -51,62 +52,106 @@ _TOP_MAP = {
 
 
 def read_hf_config(path: str) -> tuple[ModelConfig, dict]:
-  """(ModelConfig, raw config dict) from `<path>/config.json`."""
+  """(ModelConfig, raw config dict) from `<path>/config.json`.
+
+  Raises:
+    FileNotFoundError: no config.json. CheckpointError (naming config.json): not JSON, a missing
+      or mistyped field, or an unsupported model.
+  """
   cfg_path = os.path.join(path, "config.json")
   if not os.path.isfile(cfg_path):
     raise FileNotFoundError(
         f"no config.json in {path!r}: a Hugging Face checkpoint directory needs config.json and "
         "model.safetensors (or model.safetensors.index.json + shards)")
   try:
-    with open(cfg_path) as f:
+    with open(cfg_path, encoding="utf-8") as f:
       raw = json.load(f)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{cfg_path!r} is not valid JSON: {e}") from e
-  return ModelConfig.from_hf(raw), raw
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(cfg_path, f"expected a JSON object (a Hugging Face config), got "
+                          f"invalid JSON: {e}") from e
+  if not isinstance(raw, dict):
+    raise CheckpointError(cfg_path, f"expected a JSON object (a Hugging Face config), got a "
+                          f"{type(raw).__name__}")
+  try:
+    return ModelConfig.from_hf(raw), raw
+  except KeyError as e:
+    raise CheckpointError(cfg_path, f"expected the field {e.args[0]!r} (a Llama / Mistral "
+                          "config.json has hidden_size, intermediate_size, num_hidden_layers, "
+                          "num_attention_heads, vocab_size)") from e
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(cfg_path, str(e) if isinstance(e, ValueError)
+                          else f"a field has the wrong type: {cause(e)}") from e
 
 
-def _weight_index(path: str) -> dict[str, str]:
-  """tensor name -> safetensors file, from the index json or the single file."""
+def _open(fn: str):
+  """`safe_open(fn)`; a truncated or corrupt file raises CheckpointError naming it."""
+  try:
+    return safe_open(fn, framework="numpy")
+  except Exception as e:  # pylint: disable=broad-except  # SafetensorError, OSError, ...
+    raise CheckpointError(fn, f"expected a safetensors file, cannot read it (truncated or "
+                          f"corrupt?): {cause(e)}") from e
+
+
+def _weight_index(path: str) -> tuple[dict[str, str], str]:
+  """(tensor name -> safetensors file, the file that lists them: the index json or the single
+  safetensors file)."""
   index = os.path.join(path, "model.safetensors.index.json")
   if os.path.isfile(index):
-    with open(index) as f:
-      wmap = json.load(f)["weight_map"]
-    return {k: os.path.join(path, v) for k, v in wmap.items()}
+    try:
+      with open(index, encoding="utf-8") as f:
+        wmap = json.load(f)["weight_map"]
+      return {k: os.path.join(path, v) for k, v in wmap.items()}, index
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+      raise CheckpointError(index, 'expected JSON with a "weight_map" of tensor name -> '
+                            f"shard file: {cause(e)}") from e
   single = os.path.join(path, "model.safetensors")
   if not os.path.isfile(single):
     raise FileNotFoundError(
         f"no model.safetensors or model.safetensors.index.json in {path!r} "
         "(.bin / .pth checkpoints are not supported; re-save with safe_serialization=True)")
-  with safe_open(single, framework="numpy") as f:
-    return {k: single for k in f.keys()}
+  with _open(single) as f:
+    return {k: single for k in f.keys()}, single
 
 
 class _Reader:
   """Keeps safetensors files open and serves (optionally transposed) slices."""
 
-  def __init__(self, index: dict[str, str]):
+  def __init__(self, index: dict[str, str], source: str):
     self._index = index
+    self._source = source  # the index json or the single file: named when a tensor is missing
     self._files: dict[str, Any] = {}
 
-  def _handle(self, name: str):
+  def file(self, name: str) -> str:
     if name not in self._index:
-      raise ValueError(f"tensor {name!r} missing from the checkpoint")
-    fn = self._index[name]
+      raise CheckpointError(self._source, f"expected the tensor {name!r}, which is not there")
+    return self._index[name]
+
+  def _slice(self, name: str):
+    fn = self.file(name)
     if fn not in self._files:
       if not os.path.isfile(fn):
-        raise FileNotFoundError(f"checkpoint shard {fn!r} (listed in the index) does not exist")
-      self._files[fn] = safe_open(fn, framework="numpy")
-    return self._files[fn]
+        raise FileNotFoundError(f"checkpoint shard {fn!r} (listed in {self._source!r}) does not "
+                                "exist")
+      self._files[fn] = _open(fn)
+    try:
+      return self._files[fn].get_slice(name)
+    except Exception as e:  # pylint: disable=broad-except  # an index naming the wrong shard
+      raise CheckpointError(fn, f"expected the tensor {name!r} (listed in {self._source!r}): "
+                            f"{cause(e)}") from e
 
   def shape(self, name: str) -> tuple[int, ...]:
-    return tuple(self._handle(name).get_slice(name).get_shape())
+    return tuple(self._slice(name).get_shape())
 
   def read(self, name: str, transpose: bool, index: tuple[slice, ...]) -> np.ndarray:
     """Slice `index` of the tensor as laid out in *our* convention ([in, out] if transposed)."""
-    sl = self._handle(name).get_slice(name)
-    if transpose:
-      return np.asarray(sl[index[1], index[0]]).T
-    return np.asarray(sl[index] if index else sl[:])
+    sl = self._slice(name)
+    try:
+      if transpose:
+        return np.asarray(sl[index[1], index[0]]).T
+      return np.asarray(sl[index] if index else sl[:])
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(self.file(name), f"cannot read the tensor {name!r} (truncated or "
+                            f"corrupt?): {cause(e)}") from e
 
 
 def load_hf_params(path: str, config: ModelConfig, dtype=jnp.float32,
@@ -121,14 +166,15 @@ def load_hf_params(path: str, config: ModelConfig, dtype=jnp.float32,
       `rocketkv_jax.models.sharding.param_shardings`); each device then reads only its shard.
 
   Raises:
-    FileNotFoundError: missing weights file. ValueError: missing tensor or shape mismatch.
+    FileNotFoundError: missing weights file. CheckpointError (naming the file): a corrupt or
+      truncated file, a missing tensor or a shape mismatch.
   """
-  index = _weight_index(path)
+  index, source = _weight_index(path)
   # "model." names of the text model (a multimodal Gemma 3 keeps it under another prefix)
   prefix = next((p for p in _TEXT_PREFIXES if p + "embed_tokens.weight" in index), "model.")
   index = {("model." + k[len(prefix):] if k.startswith(prefix) else k): f
            for k, f in index.items()}
-  reader = _Reader(index)
+  reader = _Reader(index, source)
   shapes = param_shapes(config)
   layer_map = _GEMMA_LAYER_MAP if config.gemma else _LAYER_MAP
   if config.tie_word_embeddings:
@@ -138,9 +184,9 @@ def load_hf_params(path: str, config: ModelConfig, dtype=jnp.float32,
     got = reader.shape(name)
     want_hf = (want[1], want[0]) if transpose else want
     if got != tuple(want_hf):
-      raise ValueError(
-          f"shape mismatch between config.json and weights: {name!r} has shape {got}, "
-          f"config implies {tuple(want_hf)}")
+      raise CheckpointError(
+          reader.file(name), f"shape mismatch between config.json and weights: expected "
+          f"{name!r} of shape {tuple(want_hf)} (from config.json), found {got}")
 
   def build(shape, sharding, fetch, key=""):
     """fetch(index tuple of slices over `shape`) -> np.ndarray."""

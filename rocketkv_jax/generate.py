@@ -11,7 +11,8 @@ Structure (two compiled programs per (shapes, method, budget); none per step):
   2. decode (jit, cache donated): `decode_loop.sample_loop` (the loop the eval runner shares)
      over `models.llama.decode_step` (-> `rocketkv.decode_step` per layer), sampling each next
      token on device, stopping when every sequence hit EOS or `max_new_tokens`. An optional
-     streaming callback receives each step's tokens through an ordered `io_callback`.
+     streaming callback receives each step's tokens through an ordered `io_callback`
+     (`StreamSink`).
   The cache passes between the two as the `llama.LayerStack` the prompt pass's layer scans made
   (`llama.prefill(stacked=True)`), and the decode step scans over it: the KV method's ops are
   compiled once instead of once per layer (a smaller, faster-compiling decode program), and
@@ -28,10 +29,17 @@ inputs are global arrays each process places its own slices of, and the outputs 
 sequence's tokens; no host sync per step. A batch that "dp" does not divide is padded with
 copies of its last prompt, whose outputs are dropped.
 
-Compilation: both programs are compiled ahead of time (`jit(...).lower(...).compile()`) and
-cached per (static config, plan, argument shapes / shardings); a repeated call with the same
-shapes compiles nothing (`stats["compile_s"] == 0`). A new prompt length is a new plan and so a
-new compile (the plan's split depends on it).
+Compilation: both programs (`prefill_program`, `decode_program`) are compiled ahead of time
+(`jit(...).lower(...).compile()`) into a `ProgramCache`, keyed by (static config, plan, argument
+shapes / shardings); a repeated call with the same shapes compiles nothing
+(`stats["compile_s"] == 0`). A new prompt length is a new plan and so a new compile (the plan's
+split depends on it). The default cache, `PROGRAMS`, holds at most 16 programs (8 configurations)
+and drops the least recently used; pass `programs=ProgramCache(n)` for another bound or a
+private cache. A `stream` callback is registered with the cache's `StreamSink` for the one
+call, under an id the decode program takes as an argument: no process-global state.
+
+Parts: `_prepare` (arguments checked, prompts encoded, padded and placed, the plan), `_run` (the
+two programs), `_stats`; `generate` chains them.
 
 Decisions where the issue is silent:
   * The t-th generated token of sequence b gets RoPE position lengths[b] + t (right padding).
@@ -43,12 +51,16 @@ Decisions where the issue is silent:
     (`rocketkv_jax.sampling`).
   * A cache overflow (an append into a full cache, which the core drops) raises RuntimeError on
     the host after the loop; it cannot happen with a plan made for these lengths.
-  * Stats: `kv_tokens_kept` is the number of valid cache slots per KV head after prefill
-    (stage 1), `kv_tokens_read` the tokens attended per decode step (the method's
-    `layer_reads`: top-k for sparse methods, else the whole valid cache), both the mean over
-    layers (rounded), and `compression_ratio` = (prompt + new tokens) / that mean read. A
-    method's dense layers (Quest's first two, RocketKV's `skip_layers`) count their whole
-    cache; `kv_tokens_kept_per_layer` / `kv_tokens_read_per_layer` give each layer's.
+  * Stats: per row, `kv_tokens_kept_per_row` is the number of valid cache slots per KV head
+    after prefill (stage 1), `kv_tokens_read_per_row` the tokens attended per decode step at
+    the last step (the method's `layer_reads`: top-k for sparse methods, else the whole valid
+    cache), both the mean over layers (rounded), `kv_tokens_full_per_row` that row's prompt +
+    new tokens and `compression_ratio_per_row` = full / read. The scalars `kv_tokens_kept`,
+    `kv_tokens_read`, `kv_tokens_full` are the mean over rows (rounded) and
+    `compression_ratio` = mean full / mean read; rows of different lengths keep different
+    numbers of tokens (full KV keeps each row's own prompt). A method's dense layers (Quest's
+    first two, RocketKV's `skip_layers`) count their whole cache;
+    `kv_tokens_kept_per_layer` / `kv_tokens_read_per_layer` give each layer's mean over rows.
     Times are wall-clock with compilation reported separately (`compile_s`). `kv_cache_bytes` is
     the size of every layer's KV state; `peak_bytes` XLA's memory estimate (arguments + outputs +
     temporaries) of the larger of the two compiled programs.
@@ -56,8 +68,11 @@ Decisions where the issue is silent:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import itertools
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -90,56 +105,76 @@ class GenerationResult:
   stats: dict[str, Any]
 
 
-# --------------------------------------------------------------------------- streaming
-_STREAM: list[Callable | None] = [None]
-
-
-def _stream_trampoline(step, tokens, done):
-  cb = _STREAM[0]
-  if cb is not None:
-    cb(int(step), np.asarray(tokens), np.asarray(done))
-  return np.zeros((), np.int32)
-
-
 # --------------------------------------------------------------------------- programs
 def _host_out(x, out_sharding):
   """An output the host reads: replicated on `out_sharding`'s mesh (every process has it)."""
   return x if out_sharding is None else jax.lax.with_sharding_constraint(x, out_sharding)
 
 
-def _prefill_fn(params, tokens, lengths, key, sampler, *, config, plan, block_size, impl,
-                out_sharding):
+def prefill_program(params, tokens, lengths, key, sampler, *, config, plan, block_size, impl,
+                    out_sharding):
+  """`generate`'s prompt pass (jit with the keywords static): the right-padded batch
+  `tokens [B, T]` -> (token 0 `[B]`, the stacked per-layer KV states, kept prompt tokens per
+  layer and row `[N, B]`)."""
   logits, cache = llama.prefill(params, tokens, lengths, config=config, plan=plan,
                                 block_size=block_size, impl=impl, stacked=True)
   view = llama.state_view(plan, config)  # a hybrid's sliding layers: their own KVCache
-  # [N] per layer, replicated (a stacked group's lengths are [layers, B])
-  kept = jnp.concatenate([jnp.max(view(g).length, axis=-1).reshape(-1) for g in cache.groups])
+  # [N, B], replicated (a stacked group's lengths are [layers, B])
+  kept = jnp.concatenate([view(g).length.reshape(-1, tokens.shape[0]) for g in cache.groups])
   return sampler(logits, jax.random.fold_in(key, 0)), cache, _host_out(kept, out_sharding)
 
 
-def _on_token(step, tok, done, *, out_sharding):
-  # gathered first: the callback runs on one device, and GSPMD warns about (and rematerialises)
-  # a batch-sharded operand it has to move there itself
-  tok, done = _host_out(tok, out_sharding), _host_out(done, out_sharding)
-  io_callback(_stream_trampoline, jax.ShapeDtypeStruct((), jnp.int32), step, tok, done,
-              ordered=True)
+def decode_program(params, cache, first, lengths, key, sampler, eos, stream_id=None, *, config,
+                   plan, max_new_tokens, stream, impl, out_sharding):
+  """`generate`'s decode loop (jit with the keywords static, `cache` donated): -> (tokens
+  `[B, max_new_tokens]`, steps taken, overflow flags, the final cache).
 
-
-def _decode_fn(params, cache, first, lengths, key, sampler, eos, *, config, plan,
-               max_new_tokens, stream, impl, out_sharding):
+  `stream`: None, or a `StreamSink` whose callback registered under the traced `stream_id`
+  receives every step's tokens through an ordered `io_callback`.
+  """
   # bf16 weights on a CPU without bf16 dots: upcast once here, not in every step of the loop
   params = compute_params(params)
   step_fn = lambda c, t, p: llama.decode_step(params, c, t, p, config=config, plan=plan,
                                               impl=impl)
+  on_token = None
+  if stream is not None:
+    def on_token(step, tok, done):
+      # gathered first: the callback runs on one device, and GSPMD warns about (and
+      # rematerialises) a batch-sharded operand it has to move there itself
+      tok, done = _host_out(tok, out_sharding), _host_out(done, out_sharding)
+      io_callback(stream, jax.ShapeDtypeStruct((), jnp.int32), stream_id, step, tok, done,
+                  ordered=True)
   s = decode_loop.sample_loop(step_fn, cache, first, lengths, eos, key, sampler,
-                              max_new_tokens=max_new_tokens,
-                              on_token=functools.partial(_on_token, out_sharding=out_sharding)
-                              if stream else None)
+                              max_new_tokens=max_new_tokens, on_token=on_token)
   return (_host_out(s.tokens, out_sharding), s.step,
           _host_out(cache_overflow(s.cache), out_sharding), s.cache)
 
 
-_COMPILED: dict[Any, Any] = {}
+class StreamSink:
+  """The host end of a streaming decode program's `io_callback`: hands each step to the
+  callback registered for the call that runs the program (its id is a program argument, so
+  one compiled program serves every call and concurrent calls do not mix)."""
+
+  def __init__(self):
+    self._callbacks: dict[int, Callable] = {}
+    self._ids = itertools.count()
+    self._lock = threading.Lock()
+
+  def register(self, fn: Callable) -> int:
+    with self._lock:
+      i = next(self._ids) % (1 << 31)
+      self._callbacks[i] = fn
+    return i
+
+  def unregister(self, i: int) -> None:
+    with self._lock:
+      self._callbacks.pop(i, None)
+
+  def __call__(self, stream_id, step, tokens, done):
+    fn = self._callbacks.get(int(stream_id))
+    if fn is not None:
+      fn(int(step), np.asarray(tokens), np.asarray(done))
+    return np.zeros((), np.int32)
 
 
 def _peak_bytes(exe) -> int:
@@ -156,19 +191,49 @@ def _peak_bytes(exe) -> int:
   return int(max(peak, total))
 
 
-def _compiled(name, fn, static, donate, args):
-  """AOT-compiles `fn` once per (static args, argument shapes); returns (executable, seconds)."""
-  sig = (name, tuple(sorted(static.items())),
-         tuple((a.shape, str(a.dtype), getattr(a, "sharding", None))
-               for a in jax.tree_util.tree_leaves(args)),
-         jax.tree_util.tree_structure(args))
-  if sig in _COMPILED:
-    return _COMPILED[sig], 0.0
-  t0 = time.perf_counter()
-  jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate)
-  exe = jitted.lower(*args).compile()
-  _COMPILED[sig] = exe
-  return exe, time.perf_counter() - t0
+class ProgramCache:
+  """`generate`'s compiled programs, ahead of time (`jit(...).lower(...).compile()`), keyed by
+  (program, static arguments, argument shapes / dtypes / shardings / tree structure).
+
+  Bounded: at most `max_programs` executables (a prefill and a decode program per (shapes,
+  method, budget) configuration), the least recently used dropped first; each compiled
+  XLA:CPU program holds memory mappings of its own (`eval.runner.Runner.release_compiled`).
+  `generate` uses the module's `PROGRAMS` unless given another. Not thread-safe.
+  """
+
+  def __init__(self, max_programs: int = 16):
+    if not isinstance(max_programs, int) or max_programs < 2:
+      raise ValueError(f"max_programs must be an int >= 2 (a prefill and a decode program), "
+                       f"got {max_programs!r}")
+    self.max_programs = max_programs
+    self.stream_sink = StreamSink()
+    self._exes: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+
+  def __len__(self) -> int:
+    return len(self._exes)
+
+  def clear(self) -> None:
+    self._exes.clear()
+
+  def get(self, name: str, fn: Callable, static: dict, donate: tuple, args: tuple):
+    """(the executable of `jit(partial(fn, **static), donate_argnums=donate)` for `args`,
+    seconds spent compiling it: 0.0 when it was cached)."""
+    sig = (name, tuple(sorted(static.items())),
+           tuple((a.shape, str(a.dtype), getattr(a, "sharding", None))
+                 for a in jax.tree_util.tree_leaves(args)),
+           jax.tree_util.tree_structure(args))
+    if sig in self._exes:
+      self._exes.move_to_end(sig)
+      return self._exes[sig], 0.0
+    t0 = time.perf_counter()
+    exe = jax.jit(functools.partial(fn, **static), donate_argnums=donate).lower(*args).compile()
+    self._exes[sig] = exe
+    while len(self._exes) > self.max_programs:
+      self._exes.popitem(last=False)
+    return exe, time.perf_counter() - t0
+
+
+PROGRAMS = ProgramCache()
 
 
 class _Progress:
@@ -213,6 +278,181 @@ def _encode_prompts(model, prompts, chat: bool) -> list[list[int]]:
   return out
 
 
+@dataclasses.dataclass
+class _Inputs:
+  """A checked call, ready to run: the caller's prompts, the plan and the placed arrays."""
+
+  ids: list[list[int]]  # the caller's prompts (no "dp" padding)
+  lengths: np.ndarray  # [len(ids)] their lengths
+  rows: int  # the batch the programs run (len(ids) padded up to a multiple of "dp")
+  longest: int
+  length: int  # the padded prompt length the plan is for (>= longest)
+  max_new_tokens: int
+  eos_token_ids: Sequence[int]
+  plan: Any
+  method_obj: Any
+  out_sharding: Any
+  prefill_args: tuple  # (params, tokens, lengths, key, sampler)
+  eos: Any
+
+
+def _prepare(model, prompts, *, method, token_budget, max_new_tokens, temperature, top_p, seed,
+             eos_token_ids, chat, rocket_config, pad_to) -> _Inputs:
+  """Checks the arguments, encodes and right-pads the prompts, plans, and places the inputs
+  (on the model's mesh, the batch over "dp", if it has one)."""
+  if max_new_tokens < 1 or not isinstance(max_new_tokens, int):
+    raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+  if temperature < 0:
+    raise ValueError(f"temperature must be >= 0, got {temperature}")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+  method_obj = methods.get(method if rocket_config is None else rocket_config.method)
+  config = model.config
+  ids = _encode_prompts(model, prompts, chat)
+  lengths = np.array([len(p) for p in ids], np.int32)
+  longest = length = int(lengths.max())
+  if pad_to is not None:
+    if not isinstance(pad_to, (int, np.integer)) or isinstance(pad_to, bool) or pad_to < 1:
+      raise ValueError(f"pad_to must be None or an int >= 1, got {pad_to!r}")
+    length = max(length, int(pad_to))
+  if length + max_new_tokens > config.max_position_embeddings:
+    padded = " with pad_to" if length > longest else ""
+    raise ValueError(
+        f"prompt ({length} tokens{padded}) + max_new_tokens ({max_new_tokens}) exceeds the "
+        f"model's context of {config.max_position_embeddings} tokens")
+  mesh = sharding_lib.mesh_of(model.params)
+  dp = 1 if mesh is None else sharding_lib.axis_size(mesh, "dp")
+  rows = -(-len(ids) // dp) * dp  # padded with copies of the last prompt, dropped at the end
+  tokens = np.zeros((rows, length), np.int32)
+  for i, p in enumerate(ids + [ids[-1]] * (rows - len(ids))):
+    tokens[i, :len(p)] = p
+  row_lengths = np.concatenate([lengths, np.full(rows - len(ids), lengths[-1], np.int32)])
+  if eos_token_ids is None:
+    eos_token_ids = decode_loop.default_eos_ids(model)
+  eos = np.asarray(decode_loop.eos_array(eos_token_ids))
+
+  rcfg = rocket_config or RocketConfig(token_budget=token_budget, method=method)
+  plan = make_plan(rcfg, length, max_new_tokens, config.head_dim)
+  check_num_layers(plan, config.num_layers)
+  sampler = sampling.sampler(temperature, top_p)
+  key = np.asarray(jax.random.PRNGKey(seed))
+  if mesh is None:
+    out_sharding = None
+    tokens_j, lengths_j, key, eos = (jnp.asarray(x) for x in (tokens, row_lengths, key, eos))
+  else:  # global arrays: batch over "dp", the rest replicated; each process puts its slices
+    out_sharding = sharding_lib.replicated(mesh)
+    tokens_j, lengths_j = (sharding_lib.global_array(x, sharding_lib.batch_sharding(mesh, x.ndim))
+                           for x in (tokens, row_lengths))
+    key, eos = (sharding_lib.global_array(x, out_sharding) for x in (key, eos))
+    sampler = jax.tree.map(lambda x: sharding_lib.global_array(x, out_sharding), sampler)
+  return _Inputs(ids=ids, lengths=lengths, rows=rows, longest=longest, length=length,
+                 max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, plan=plan,
+                 method_obj=method_obj, out_sharding=out_sharding,
+                 prefill_args=(model.params, tokens_j, lengths_j, key, sampler), eos=eos)
+
+
+# --------------------------------------------------------------------------- the run
+@dataclasses.dataclass
+class _Run:
+  """What the two programs returned, for the caller's rows, and their costs."""
+
+  tokens: np.ndarray  # [len(ids), max_new_tokens]
+  steps: int
+  kept: np.ndarray  # [layers, len(ids)] prompt tokens kept per layer and row
+  kv_bytes: int
+  prefill_s: float
+  decode_s: float
+  compile_s: float
+  peak_bytes: int
+
+
+def _run(model, inp: _Inputs, *, programs: ProgramCache, stream, block_size, impl,
+         verbose) -> _Run:
+  """Compiles (or finds) and runs the prefill and decode programs; raises on a cache overflow."""
+  say = _Progress(verbose)
+  plan, n = inp.plan, len(inp.ids)
+  say.start("compiling prefill")
+  pre_exe, pre_compile = programs.get(
+      "prefill", prefill_program,
+      dict(config=model.config, plan=plan, block_size=block_size, impl=impl,
+           out_sharding=inp.out_sharding), (), inp.prefill_args)
+  say.done(pre_compile)
+  say.start(f"prefill of {int(inp.lengths.sum())} tokens")
+  t0 = time.perf_counter()
+  first, cache, kv_kept = pre_exe(*inp.prefill_args)
+  first.block_until_ready()
+  prefill_s = time.perf_counter() - t0
+  say.done(prefill_s)
+  kept = np.asarray(kv_kept)[:, :n].astype(np.int64)
+  # the caller's rows only (every row's state has the same size): not the "dp" padding
+  kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache)) * n // inp.rows
+
+  params, _, lengths_j, key, sampler = inp.prefill_args
+  dec_args = (params, cache, first, lengths_j, key, sampler, inp.eos)
+  sink = None
+  if stream is not None:
+    sink = programs.stream_sink
+    # the stream sees the caller's rows, not the "dp" padding
+    stream_id = sink.register(lambda step, t, done: stream(step, t[:n], done[:n]))
+    sid = np.asarray(stream_id, np.int32)
+    dec_args += (jnp.asarray(sid) if inp.out_sharding is None
+                 else sharding_lib.global_array(sid, inp.out_sharding),)
+  say.start("compiling decode")
+  try:
+    dec_exe, dec_compile = programs.get(
+        "decode", decode_program,
+        dict(config=model.config, plan=plan, max_new_tokens=inp.max_new_tokens, stream=sink,
+             impl=impl, out_sharding=inp.out_sharding), (1,), dec_args)
+    say.done(dec_compile)
+    t0 = time.perf_counter()
+    out, steps, overflow, _ = dec_exe(*dec_args)
+    out = np.asarray(out)[:n]
+    decode_s = time.perf_counter() - t0
+  finally:
+    if sink is not None:
+      sink.unregister(stream_id)
+  steps = int(steps)
+  overflow = np.asarray(overflow).reshape(-1, inp.rows)[:, :n]
+  if overflow.any():
+    raise RuntimeError(
+        f"KV cache overflow for batch rows {np.nonzero(overflow.any(0))[0]}"
+        f" (capacity {plan.capacity}); the plan was made for prompt_len={inp.length}, "
+        f"max_new_tokens={inp.max_new_tokens}")
+  return _Run(tokens=out, steps=steps, kept=kept, kv_bytes=int(kv_bytes),
+              prefill_s=prefill_s, decode_s=decode_s, compile_s=pre_compile + dec_compile,
+              peak_bytes=max(_peak_bytes(pre_exe), _peak_bytes(dec_exe)))
+
+
+def _stats(inp: _Inputs, run: _Run, result_tokens: list[list[int]], config) -> dict[str, Any]:
+  """`GenerationResult.stats` (the module docstring says what each number is)."""
+  plan, n, steps = inp.plan, len(inp.ids), run.steps
+  new = [len(t) for t in result_tokens]
+  # [layers, rows]: per row, its own kept prompt tokens and the reads they imply
+  read = np.array([llama.layer_reads(config, plan, [int(x) for x in run.kept[:, b]], steps)
+                   for b in range(n)], np.float64).T
+  full = inp.lengths.astype(np.float64) + np.array(new)
+  read_rows = read.mean(0)
+  return dict(
+      method=plan.method, token_budget=plan.token_budget, batch=n,
+      prompt_lengths=inp.lengths.tolist(), new_tokens=new,
+      decode_steps=steps - 1, prefill_s=run.prefill_s, decode_s=run.decode_s,
+      decode_ms_per_token=1e3 * run.decode_s / max(steps - 1, 1),
+      decode_tokens_per_s=(steps - 1) * n / run.decode_s if steps > 1 else 0.0,
+      compile_s=run.compile_s,
+      kv_tokens_full=round(float(full.mean())), kv_tokens_kept=round(float(run.kept.mean())),
+      kv_tokens_read=round(float(read_rows.mean())),
+      compression_ratio=float(full.mean() / max(read_rows.mean(), 1.0)),
+      kv_tokens_full_per_row=[int(x) for x in full],
+      kv_tokens_kept_per_row=[round(float(x)) for x in run.kept.mean(0)],
+      kv_tokens_read_per_row=[round(float(x)) for x in read_rows],
+      compression_ratio_per_row=[float(f / max(r, 1.0)) for f, r in zip(full, read_rows)],
+      kv_tokens_kept_per_layer=[round(float(x)) for x in run.kept.mean(1)],
+      kv_tokens_read_per_layer=[round(float(x)) for x in read.mean(1)],
+      capacity=plan.capacity, plan=plan, kv_cache_bytes=run.kv_bytes,
+      peak_bytes=run.peak_bytes,
+  )
+
+
 def generate(
     model,
     prompts,
@@ -231,6 +471,7 @@ def generate(
     impl: str = "auto",
     verbose: bool = False,
     pad_to: int | None = None,
+    programs: ProgramCache | None = None,
 ) -> GenerationResult:
   """Generates continuations of `prompts` with the KV method `method`.
 
@@ -257,6 +498,8 @@ def generate(
       that length instead of the longest prompt (None). Calls with the same `pad_to` share
       compiled programs, and the eval harness plans this way for its nominal context length;
       padding itself does not change any sequence's tokens (each row is masked to its length).
+    programs: the `ProgramCache` to compile into and reuse from (default: the module's
+      `PROGRAMS`, at most 16 programs, least recently used dropped first).
 
   Returns:
     `GenerationResult`.
@@ -264,114 +507,14 @@ def generate(
   Raises:
     ValueError: bad argument or prompt longer than the context. RuntimeError: cache overflow.
   """
-  if max_new_tokens < 1 or not isinstance(max_new_tokens, int):
-    raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-  if temperature < 0:
-    raise ValueError(f"temperature must be >= 0, got {temperature}")
-  if not 0.0 < top_p <= 1.0:
-    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-  method_obj = methods.get(method if rocket_config is None else rocket_config.method)
-  config = model.config
-  ids = _encode_prompts(model, prompts, chat)
-  lengths = np.array([len(p) for p in ids], np.int32)
-  longest = length = int(lengths.max())
-  if pad_to is not None:
-    if not isinstance(pad_to, (int, np.integer)) or isinstance(pad_to, bool) or pad_to < 1:
-      raise ValueError(f"pad_to must be None or an int >= 1, got {pad_to!r}")
-    length = max(length, int(pad_to))
-  if length + max_new_tokens > config.max_position_embeddings:
-    padded = " with pad_to" if length > longest else ""
-    raise ValueError(
-        f"prompt ({length} tokens{padded}) + max_new_tokens ({max_new_tokens}) exceeds the "
-        f"model's context of {config.max_position_embeddings} tokens")
-  mesh = sharding_lib.mesh_of(model.params)
-  dp = 1 if mesh is None else sharding_lib.axis_size(mesh, "dp")
-  rows = -(-len(ids) // dp) * dp  # padded with copies of the last prompt, dropped at the end
-  pad = 0
-  tokens = np.full((rows, length), pad, np.int32)
-  for i, p in enumerate(ids + [ids[-1]] * (rows - len(ids))):
-    tokens[i, :len(p)] = p
-  row_lengths = np.concatenate([lengths, np.full(rows - len(ids), lengths[-1], np.int32)])
-  if eos_token_ids is None:
-    eos_token_ids = decode_loop.default_eos_ids(model)
-  eos = np.asarray(decode_loop.eos_array(eos_token_ids))
-
-  rcfg = rocket_config or RocketConfig(token_budget=token_budget, method=method)
-  plan = make_plan(rcfg, length, max_new_tokens, config.head_dim)
-  check_num_layers(plan, config.num_layers)
-  sampler = sampling.sampler(temperature, top_p)
-  key = np.asarray(jax.random.PRNGKey(seed))
-  if mesh is None:
-    out_sharding = None
-    tokens_j, lengths_j, key, eos = (jnp.asarray(x) for x in (tokens, row_lengths, key, eos))
-  else:  # global arrays: batch over "dp", the rest replicated; each process puts its slices
-    out_sharding = sharding_lib.replicated(mesh)
-    tokens_j, lengths_j = (sharding_lib.global_array(x, sharding_lib.batch_sharding(mesh, x.ndim))
-                           for x in (tokens, row_lengths))
-    key, eos = (sharding_lib.global_array(x, out_sharding) for x in (key, eos))
-    sampler = jax.tree.map(lambda x: sharding_lib.global_array(x, out_sharding), sampler)
-
-  say = _Progress(verbose)
-  pre_args = (model.params, tokens_j, lengths_j, key, sampler)
-  say.start("compiling prefill")
-  pre_exe, pre_compile = _compiled(
-      "prefill", _prefill_fn,
-      dict(config=config, plan=plan, block_size=block_size, impl=impl,
-           out_sharding=out_sharding), (), pre_args)
-  say.done(pre_compile)
-  say.start(f"prefill of {int(lengths.sum())} tokens")
-  t0 = time.perf_counter()
-  first, cache, kv_kept = pre_exe(*pre_args)
-  first.block_until_ready()
-  prefill_s = time.perf_counter() - t0
-  say.done(prefill_s)
-  kept_per_layer = [int(x) for x in np.asarray(kv_kept)]
-  # the caller's rows only (every row's state has the same size): not the "dp" padding
-  kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache)) * len(ids) // rows
-
-  dec_args = (model.params, cache, first, lengths_j, key, sampler, eos)
-  say.start("compiling decode")
-  dec_exe, dec_compile = _compiled(
-      "decode", _decode_fn,
-      dict(config=config, plan=plan, max_new_tokens=max_new_tokens,
-           stream=stream is not None, impl=impl, out_sharding=out_sharding), (1,), dec_args)
-  say.done(dec_compile)
-  n = len(ids)  # the stream sees the caller's rows, not the "dp" padding
-  _STREAM[0] = stream and (lambda step, t, done: stream(step, t[:n], done[:n]))
-  try:
-    t0 = time.perf_counter()
-    out, steps, overflow, _ = dec_exe(*dec_args)
-    out = np.asarray(out)[:len(ids)]
-    decode_s = time.perf_counter() - t0
-  finally:
-    _STREAM[0] = None
-  steps = int(steps)
-  overflow = np.asarray(overflow).reshape(-1, rows)[:, :len(ids)]
-  if overflow.any():
-    raise RuntimeError(
-        f"KV cache overflow for batch rows {np.nonzero(overflow.any(0))[0]}"
-        f" (capacity {plan.capacity}); the plan was made for prompt_len={length}, "
-        f"max_new_tokens={max_new_tokens}")
-
-  result_tokens = decode_loop.strip_eos(out, steps, eos_token_ids)
+  inp = _prepare(model, prompts, method=method, token_budget=token_budget,
+                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                 eos_token_ids=eos_token_ids, chat=chat, rocket_config=rocket_config,
+                 pad_to=pad_to)
+  run = _run(model, inp, programs=PROGRAMS if programs is None else programs, stream=stream,
+             block_size=block_size, impl=impl, verbose=verbose)
+  result_tokens = decode_loop.strip_eos(run.tokens, run.steps, inp.eos_token_ids)
   text = None
   if model.tokenizer is not None:
     text = [model.tokenizer.decode(t) for t in result_tokens]
-
-  new = max(len(t) for t in result_tokens)
-  read_per_layer = llama.layer_reads(config, plan, kept_per_layer, steps)
-  read = float(np.mean(read_per_layer))
-  stats = dict(
-      method=plan.method, token_budget=plan.token_budget, batch=len(ids),
-      prompt_lengths=lengths.tolist(), new_tokens=[len(t) for t in result_tokens],
-      decode_steps=steps - 1, prefill_s=prefill_s, decode_s=decode_s,
-      decode_ms_per_token=1e3 * decode_s / max(steps - 1, 1),
-      decode_tokens_per_s=(steps - 1) * len(ids) / decode_s if steps > 1 else 0.0,
-      compile_s=pre_compile + dec_compile,
-      kv_tokens_full=longest + new, kv_tokens_kept=round(float(np.mean(kept_per_layer))),
-      kv_tokens_read=round(read), compression_ratio=(longest + new) / max(read, 1.0),
-      kv_tokens_kept_per_layer=kept_per_layer, kv_tokens_read_per_layer=read_per_layer,
-      capacity=plan.capacity, plan=plan, kv_cache_bytes=int(kv_bytes),
-      peak_bytes=max(_peak_bytes(pre_exe), _peak_bytes(dec_exe)),
-  )
-  return GenerationResult(tokens=result_tokens, text=text, stats=stats)
+  return GenerationResult(tokens=result_tokens, text=text, stats=_stats(inp, run, result_tokens, model.config))

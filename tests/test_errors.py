@@ -131,21 +131,21 @@ def test_loader_errors_name_the_file(tmp_path):
   bad = tmp_path / "model.gguf"
   bad.write_bytes(b"PK\x03\x04 not a gguf file")
   for fn in (models.load, models.load_config):
-    with pytest.raises(ValueError, match="is not a GGUF file") as e:
+    with pytest.raises(models.CheckpointError, match="': expected a GGUF file") as e:
       fn(str(bad))
     assert str(bad) in str(e.value) and "GGUF" in str(e.value)
   empty = tmp_path / "empty.gguf"
   empty.write_bytes(b"")
-  with pytest.raises(ValueError, match="empty.gguf' is not a GGUF file"):
+  with pytest.raises(ValueError, match="empty.gguf': expected a GGUF file"):
     models.load(str(empty))
   truncated = tmp_path / "truncated.gguf"
   truncated.write_bytes(b"GGUF\x03\x00")
-  with pytest.raises(ValueError, match="cannot read GGUF file .*truncated.gguf"):
+  with pytest.raises(ValueError, match="truncated.gguf': expected a GGUF file, cannot read it"):
     models.load(str(truncated))
   with pytest.raises(FileNotFoundError, match="no config.json in .*model.safetensors"):
     models.load_config(str(tmp_path))
   (tmp_path / "config.json").write_text("{not json")
-  with pytest.raises(ValueError, match="config.json' is not valid JSON"):
+  with pytest.raises(ValueError, match="config.json': expected a JSON object .* invalid JSON"):
     models.load(str(tmp_path))
   with pytest.raises(FileNotFoundError, match="missing.*does not exist"):
     models.load(str(tmp_path / "missing"))

@@ -78,3 +78,95 @@ def test_help_examples_print_cleanly():
   assert "runs/<timestamp>/" in proc.stdout and "--overwrite" in proc.stdout
   description = proc.stdout.split("options:")[0]
   assert not re.search(r"\S {4,}--", description)  # continuations once ran together: "4096     --"
+
+
+_TINY_EVALUATE = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import rocketkv_jax.models as M
+from rocketkv_jax.eval import report
+from eval_fixtures import tiny_model
+model = tiny_model(1024)  # the tiny random Llama with a byte tokenizer
+M.load = lambda *a, **k: model
+save, saves = report.save_json, []
+def save_then_hang(res, path):  # stands still in the second batch's save, to be killed there
+  save(res, path)
+  saves.append(path)
+  if {hang} and saves.count(path) == 2 and path.endswith(".partial.json.tmp"):
+    print("hanging after", len(res["records"]), "records", flush=True)
+    time.sleep(600)
+report.save_json = save_then_hang
+import runpy
+sys.argv = ["evaluate.py"] + sys.argv[1:]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def _tiny_evaluate(tmp_path, hang: bool, *args):
+  wrapper = tmp_path / f"tiny_evaluate_{hang}.py"
+  wrapper.write_text(_TINY_EVALUATE.format(tests=str(Path(__file__).parent), hang=hang,
+                                           script=str(SCRIPT)))
+  err = open(tmp_path / f"stderr_{hang}_{len(args)}.txt", "w")  # not a pipe: never fills up
+  return subprocess.Popen([sys.executable, "-P", str(wrapper), *args], stdout=subprocess.PIPE,
+                          stderr=err, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_resume_continues_a_killed_sweep_to_identical_records(tmp_path):
+  """A sweep killed (SIGKILL) while saving its second batch, then `--resume DIR` with no
+  other argument: the final JSON equals an uninterrupted run's except "timing" (wall-clock
+  times) and "command" (the command line, which says --resume); the records hold no timings,
+  so every record field is compared."""
+  import json
+  import signal
+
+  sweep = ["--tasks", "passkey", "--lengths", "512", "--methods", "full", "rocketkv",
+           "--budgets", "64", "--samples", "3", "--max-new-tokens", "3", "--no-progress"]
+  ref = _tiny_evaluate(tmp_path, False, *sweep, "--out", str(tmp_path / "ref"))
+  cut = _tiny_evaluate(tmp_path, True, *sweep, "--out", str(tmp_path / "cut"))
+  try:
+    lines = []
+    while not lines or not (lines[-1].startswith("hanging") or lines[-1] == ""):
+      lines.append(cut.stdout.readline())
+    # killed while saving batch 2 of 3 (full + rocketkv records each), before the rename
+    assert lines[-1].strip() == "hanging after 4 records", lines
+  finally:
+    cut.send_signal(signal.SIGKILL)
+    cut.communicate(timeout=60)
+    if ref.poll() is None and sys.exc_info()[0] is not None:
+      ref.kill()
+  partial = json.loads((tmp_path / "cut" / "results.partial.json").read_text())
+  assert len(partial["records"]) == 2 and partial["done"] == ["passkey@512#0"]
+  assert not (tmp_path / "cut" / "results.json").exists()
+  resumed = _tiny_evaluate(tmp_path, False, "--resume", str(tmp_path / "cut"))
+  for proc in (ref, resumed):
+    proc.communicate(timeout=600)
+    assert proc.returncode == 0, [p.read_text()[-2000:] for p in tmp_path.glob("stderr_*")]
+  want = json.loads((tmp_path / "ref" / "results.json").read_text())
+  got = json.loads((tmp_path / "cut" / "results.json").read_text())
+  assert len(got["records"]) == 6 and got["timing"]["resumed_batches"] == 1
+  assert not (tmp_path / "cut" / "results.partial.json").exists()
+  for res in (want, got):
+    del res["timing"], res["command"]
+  assert got == want
+
+
+def test_resume_needs_a_partial_run_of_the_same_sweep(tmp_path):
+  """--resume without an interrupted run, or with arguments that change the sweep: one line,
+  exit 2, before a model loads."""
+  import dataclasses
+  import json
+
+  from rocketkv_jax.eval import harness
+
+  config = dataclasses.asdict(harness.SweepConfig(samples=3))
+  (tmp_path / "results.partial.json").write_text(json.dumps(
+      dict(argv=["--samples", "3"], config=config, records=[], done=[])))
+  for args, message in [
+      (["--resume", str(tmp_path / "none")], "expected results.partial.json there"),
+      (["--resume", str(tmp_path), "--samples", "4"],
+       "the saved sweep differs in config fields ['samples']")]:
+    proc = subprocess.run([sys.executable, "-P", str(SCRIPT), *args], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --resume") and message in lines[0], lines

@@ -37,7 +37,11 @@ def test_greedy_full_kv_matches_transformers_generate(name):
   for prompt, got in zip(prompts, res.tokens):
     assert got == _hf_greedy(ref_model, prompt, 32)
   assert res.stats["new_tokens"] == [32, 32]
-  assert res.stats["kv_tokens_kept"] == 40 and res.stats["compression_ratio"] == 1.0
+  # full KV keeps each row's own prompt (40 and 27 tokens), not the longest row's
+  st = res.stats
+  assert st["kv_tokens_kept_per_row"] == [40, 27] and st["kv_tokens_kept"] == round(33.5)
+  assert st["kv_tokens_full_per_row"] == st["kv_tokens_read_per_row"] == [72, 59]
+  assert st["compression_ratio_per_row"] == [1.0, 1.0] and st["compression_ratio"] == 1.0
 
 
 def test_rocketkv_without_compression_matches_transformers_sliding_window():
@@ -78,7 +82,7 @@ def test_every_method_generates(method):
     assert st["kv_tokens_kept"] < 40  # stage 1 evicted prompt tokens
   dense = set(methods.get(method).dense_layers(st["plan"]))
   if dense >= set(range(model.config.num_layers)):  # quest on 2 layers: both dense, all read
-    assert st["kv_tokens_read"] == 40 + 6 and st["compression_ratio"] == 1.0
+    assert st["kv_tokens_read_per_row"] == [40 + 6, 27 + 6] and st["compression_ratio"] == 1.0
   else:
     assert st["compression_ratio"] > 1.0
 
@@ -140,7 +144,7 @@ def test_pad_to_plans_for_the_padded_length_and_padding_changes_no_tokens():
   assert plan == rocketkv.plan(cfg, 64, 6, d)
   assert plan != rocketkv.plan(cfg, 40, 6, d)
   assert 27 < plan.prompt_budget < 40  # the 40-token prompt loses tokens to stage 1
-  assert padded.stats["kv_tokens_full"] == 40 + 6  # stats count the real prompt tokens
+  assert padded.stats["kv_tokens_full_per_row"] == [40 + 6, 27 + 6]  # the real prompt tokens
   same_split = dataclasses.replace(
       cfg, capacity=plan.capacity, prompt_budget=plan.prompt_budget, top_k=plan.top_k,
       chunk_size=plan.chunk_size, r=plan.r)
@@ -204,3 +208,45 @@ def test_full_cache_raises_on_the_host(monkeypatch):
   with pytest.raises(RuntimeError, match="KV cache overflow"):
     rocketkv.generate(model, _prompts(), method="streamingllm", token_budget=32,
                       max_new_tokens=6, eos_token_ids=())
+
+
+def test_program_cache_keeps_the_most_recent_programs():
+  """`ProgramCache(max_programs=2)`: a third program drops the least recently used one, which
+  then compiles again; a program used in between stays."""
+  import numpy as np
+
+  from rocketkv_jax.generate import ProgramCache
+
+  cache = ProgramCache(max_programs=2)
+  fn = lambda x, *, scale: x * scale  # noqa: E731
+  args = {n: (jnp.arange(n, dtype=jnp.float32),) for n in (2, 3, 4)}
+  exe2, t = cache.get("f", fn, dict(scale=2.0), (), args[2])
+  assert t > 0 and np.asarray(exe2(*args[2])).tolist() == [0.0, 2.0]
+  assert cache.get("f", fn, dict(scale=2.0), (), args[3])[1] > 0
+  assert cache.get("f", fn, dict(scale=2.0), (), args[2])[1] == 0.0  # 2 is now the most recent
+  assert cache.get("f", fn, dict(scale=2.0), (), args[4])[1] > 0  # drops 3
+  assert len(cache) == 2
+  assert cache.get("f", fn, dict(scale=2.0), (), args[2])[1] == 0.0
+  assert cache.get("f", fn, dict(scale=2.0), (), args[3])[1] > 0
+  assert cache.get("f", fn, dict(scale=3.0), (), args[3])[1] > 0  # a static argument is a key
+  with pytest.raises(ValueError, match="max_programs must be an int >= 2"):
+    ProgramCache(max_programs=1)
+
+
+def test_stream_callbacks_are_per_call():
+  """One compiled streaming program serves calls with different callbacks: each call's tokens
+  reach its own callback only, and none stays registered after the call."""
+  from rocketkv_jax.generate import ProgramCache
+
+  path, _ = hf_checkpoint("llama31")
+  model = M.load(path)
+  programs = ProgramCache()
+  kw = dict(method="full", max_new_tokens=4, eos_token_ids=(), programs=programs)
+  seen_a, seen_b = [], []
+  a = rocketkv.generate(model, _prompts(), stream=lambda s, t, d: seen_a.append(t.tolist()), **kw)
+  b = rocketkv.generate(model, _prompts()[::-1],
+                        stream=lambda s, t, d: seen_b.append(t.tolist()), **kw)
+  assert b.stats["compile_s"] == 0.0 and len(programs) == 2
+  assert [list(r) for r in zip(*seen_a)] == a.tokens
+  assert [list(r) for r in zip(*seen_b)] == b.tokens == a.tokens[::-1]
+  assert not programs.stream_sink._callbacks  # pylint: disable=protected-access

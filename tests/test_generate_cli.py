@@ -27,7 +27,7 @@ def _cases(tmp: Path):
       "budget 0": (["--budget", "0"], "token_budget must be an int >= 1, got 0"),
       "missing model": (["--model", str(tmp / "nope")], "nope' does not exist"),
       "no config.json": (["--model", str(no_config)], "no config.json in"),
-      "not a gguf": (["--model", str(fake)], "fake.gguf' is not a GGUF file"),
+      "not a gguf": (["--model", str(fake)], "fake.gguf': expected a GGUF file (the magic bytes b'GGUF'"),
       "empty prompt file": (["--prompt-file", str(empty)], "empty.txt' is empty"),
       "missing prompt file": (["--prompt-file", str(tmp / "x.txt")], "x.txt' does not exist"),
       "prompt too long": (["--prompt-file", str(long_prompt)], "longer than the model's context"),
@@ -86,6 +86,21 @@ def test_help_explains_the_demo():
   assert "KV read per step" in proc.stdout and "cache reduction" in proc.stdout
   # the example commands keep their line continuations (no run-together "\" lines)
   assert "--method snapkv \\\n        --budget 512" in proc.stdout
+  assert proc.stdout.count("--quick \\\n        --mesh 2,3 --coordinator") == 2
+
+
+def test_script_docstrings_keep_their_line_continuations():
+  """A backslash at the end of a line of a (non-raw) docstring joins it with the next: every
+  script's --help text and docstring must show the example commands line by line."""
+  import ast
+  import re
+
+  root = SCRIPT.parents[1]
+  scripts = sorted((root / "examples").glob("*.py")) + sorted((root / "benchmarks").glob("*.py"))
+  assert len(scripts) > 5
+  for path in scripts:
+    doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+    assert not re.search(r"\S {4,}--", doc), path  # "...--quick        --mesh": run together
 
 
 def _load_script(monkeypatch):
@@ -176,3 +191,51 @@ def test_a_variant_spec_reaches_generate(method, compare, note, monkeypatch, cap
   assert ("[3/3] full\n" in out) == compare
   assert ("note: on 64-dim heads" in out) == note, out
   assert any(line.startswith(method + " ") for line in out.splitlines()), out
+
+
+def test_damaged_checkpoints_are_one_error_line(tmp_path):
+  """A corrupt checkpoint (here a truncated model.safetensors next to a valid config and
+  tokenizer, found only when the weights load; a config.json that is not JSON; a truncated
+  GGUF) ends generate.py and evaluate.py with one `error:` line naming the file, exit 2."""
+  import shutil
+
+  import tokenizers
+
+  from model_fixtures import hf_checkpoint
+
+  src, _ = hf_checkpoint("llama31")
+  cut = tmp_path / "cut"
+  shutil.copytree(src, cut)
+  weights = cut / "model.safetensors"
+  weights.write_bytes(weights.read_bytes()[:5000])
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "hi": 3}, unk_token="[UNK]"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.save(str(cut / "tokenizer.json"))
+  bad_cfg = tmp_path / "bad_cfg"
+  shutil.copytree(src, bad_cfg)
+  (bad_cfg / "config.json").write_text("{")
+  cases = [(cut, f"error: {str(weights)!r}: expected a safetensors file, cannot read it"),
+           (bad_cfg, f"error: {str(bad_cfg / 'config.json')!r}: expected a JSON object")]
+  if smollm2_gguf() is not None:
+    gguf = tmp_path / "cut.gguf"
+    with open(smollm2_gguf(), "rb") as f:
+      gguf.write_bytes(f.read(1 << 19))
+    cases.append((gguf, f"error: {str(gguf)!r}: expected a GGUF file, cannot read it"))
+  evaluate = SCRIPT.parent / "evaluate.py"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  procs = []
+  for path, want in cases:
+    procs.append((subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--model", str(path), "--prompt", "hi", "--no-chat",
+         "--max-new-tokens", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True), want))
+    if path == cut:  # evaluate.py loads the same way; one case is enough there
+      procs.append((subprocess.Popen(
+          [sys.executable, str(evaluate), "--model", str(path), "--out", str(tmp_path / "o"),
+           "--samples", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+          text=True), want))
+  for proc, want in procs:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, (proc.args, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(want), (proc.args, err)

@@ -34,9 +34,11 @@ _SCRIPT = textwrap.dedent("""
     for method in ("rocketkv",):
       a = rocketkv.generate(single, prompts, method=method, token_budget=32, max_new_tokens=12,
                             eos_token_ids=()).tokens
+      seen = []  # streamed from the sharded program too: the per-call id reaches the host
       b = rocketkv.generate(tp, prompts, method=method, token_budget=32, max_new_tokens=12,
-                            eos_token_ids=()).tokens
-      assert a == b, (method, a, b)
+                            eos_token_ids=(), stream=lambda s, t, d: seen.append(t.tolist())
+                            ).tokens
+      assert a == b == [list(r) for r in zip(*seen)], (method, a, b, seen)
     np.testing.assert_allclose(np.asarray(tp.logits(prompts[0])),
                                np.asarray(single.logits(prompts[0])), atol=1e-4)
     print("TP-OK")

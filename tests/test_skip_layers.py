@@ -203,19 +203,26 @@ def test_every_layer_skipped_is_full_kv_and_stats_count_dense_layers():
                            eos_token_ids=())
   every = _generate(CFG.num_layers)
   assert every.tokens == full.tokens
-  n, total = max(PROMPT_LENS), max(PROMPT_LENS) + MAX_NEW
-  assert every.stats["kv_tokens_read"] == full.stats["kv_tokens_read"] == total
-  assert every.stats["compression_ratio"] == 1.0
+  n = max(PROMPT_LENS)
+  totals = [m + MAX_NEW for m in PROMPT_LENS]  # each row's own prompt + new tokens
+  for st in (every.stats, full.stats):
+    assert st["kv_tokens_read_per_row"] == st["kv_tokens_full_per_row"] == totals
+    assert st["kv_tokens_read"] == round(np.mean(totals)) and st["compression_ratio"] == 1.0
 
   two = _generate(SKIP)
   st, plan = two.stats, two.stats["plan"]
-  assert plan.skip_layers == SKIP and plan.prompt_budget < n
-  kept = [n] * SKIP + [min(n, plan.prompt_budget)] * (CFG.num_layers - SKIP)
-  read = [total] * SKIP + [plan.top_k] * (CFG.num_layers - SKIP)
-  assert st["kv_tokens_kept_per_layer"] == kept and st["kv_tokens_read_per_layer"] == read
-  assert st["kv_tokens_kept"] == round(np.mean(kept))
-  assert st["kv_tokens_read"] == round(np.mean(read))
-  assert st["compression_ratio"] == pytest.approx(total / np.mean(read))
+  assert plan.skip_layers == SKIP and plan.prompt_budget < max(PROMPT_LENS)
+  sparse = CFG.num_layers - SKIP
+  kept = np.array([[m] * SKIP + [min(m, plan.prompt_budget)] * sparse for m in PROMPT_LENS])
+  read = np.array([[m + MAX_NEW] * SKIP + [plan.top_k] * sparse for m in PROMPT_LENS])
+  assert st["kv_tokens_kept_per_layer"] == [round(x) for x in kept.mean(0)]
+  assert st["kv_tokens_read_per_layer"] == [round(x) for x in read.mean(0)]
+  assert st["kv_tokens_kept_per_row"] == [round(x) for x in kept.mean(1)]
+  assert st["kv_tokens_read_per_row"] == [round(x) for x in read.mean(1)]
+  assert st["kv_tokens_kept"] == round(kept.mean())
+  assert st["kv_tokens_read"] == round(read.mean())
+  assert st["compression_ratio"] == pytest.approx(np.mean(totals) / read.mean())
+  assert st["compression_ratio_per_row"] == pytest.approx(list(np.array(totals) / read.mean(1)))
   # memory: the two dense layers hold full KV's cache, the third a stage-1 cache
   per_layer_full = full.stats["kv_cache_bytes"] / CFG.num_layers
   assert SKIP * per_layer_full < st["kv_cache_bytes"] < full.stats["kv_cache_bytes"]

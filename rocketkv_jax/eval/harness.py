@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import time
 from typing import Any
 
@@ -243,12 +244,42 @@ def build_samples(model, cfg: SweepConfig) -> dict:
   return out
 
 
-def run_sweep(model, cfg: SweepConfig, *, progress: bool = True,
-              on_group=None) -> dict[str, Any]:
-  """Runs the sweep; `on_group(partial_results)` is called after every (task, length) group
-  (e.g. to save a partial JSON that survives an interrupted run)."""
+def _unit(task: str, length: int, first: int) -> str:
+  """The name of one resumable unit of work: a prompt batch from sample `first` of a (task,
+  length) group (a multi-turn sample on its own)."""
+  return f"{task}@{length}#{first}"
+
+
+def check_resume(saved: dict, config: dict) -> None:
+  """Raises ValueError unless `saved` (partial results) is of a sweep with this `config`."""
+  if "done" not in saved or "records" not in saved:
+    raise ValueError("resume: the saved results hold no list of finished batches ('done'); "
+                     "only a partial JSON written by run_sweep's on_batch can be resumed")
+  want, got = json.loads(json.dumps(config)), json.loads(json.dumps(saved.get("config", {})))
+  diff = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
+  if diff:
+    raise ValueError(f"resume: the saved sweep differs in config fields {diff}; resume it with "
+                     "the arguments it was started with")
+
+
+def run_sweep(model, cfg: SweepConfig, *, progress: bool = True, on_group=None, on_batch=None,
+              resume: dict | None = None) -> dict[str, Any]:
+  """Runs the sweep.
+
+  Args:
+    on_group: `on_group(partial_results)` after every (task, length) group.
+    on_batch: `on_batch(partial_results)` after every prompt batch (multi-turn: every sample),
+      e.g. to save a partial JSON that survives an interrupted run. Partial results also list
+      the finished batches under "done".
+    resume: such partial results of an interrupted run with the same configuration: its
+      finished batches are skipped and their records, plans and diagnostics kept, so the
+      records end identical to an uninterrupted run's (records hold no timings). ValueError
+      when its configuration differs.
+  """
   if model.tokenizer is None:
     raise ValueError("the evaluation needs a model with a tokenizer (chat template)")
+  if resume is not None:
+    check_resume(resume, _config_dict(model, cfg))
   tok = model.tokenizer
   runner = Runner(model, window_size=cfg.window_size, quest_page_size=cfg.quest_page_size)
   t_start = time.perf_counter()
@@ -263,26 +294,45 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True,
       nb = -(-len(ss) // cfg.batch_size)
       total += nb * (1 + (len(decode_configs(cfg)) if cfg.decode else 0))
   bar = _Progress(total, progress)
-  records: list[dict] = []
-  diag: list[dict] = []
-  plans: dict[str, dict] = {}
+  resume = resume or {}
+  records: list[dict] = list(resume.get("records", []))
+  diag: list[dict] = list(resume.get("diagnostics", []))
+  plans: dict[str, dict] = dict(resume.get("plans", {}))
+  done: list[str] = list(resume.get("done", []))
   timing = dict(generate_samples_s=gen_s, prompt_pass_s=0.0, decode_s=0.0)
+  if done:
+    timing["resumed_batches"] = len(done)
 
-  def partial():
+  def partial(final=False):
     out = dict(config=_config_dict(model, cfg), plans=plans, records=records, timing=timing)
     if diag:
       out["diagnostics"] = diag
+    if not final:
+      out["done"] = done
     return out
+
+  def finished(unit):
+    done.append(unit)
+    if on_batch is not None:
+      on_batch(partial())
 
   shape = None
   for (task, length), (ss, mn, p) in groups.items():
     if on_group is not None and records:
       on_group(partial())
+    units = ([_unit(task, length, s.index) for s in ss] if task == tasks_lib.MULTITURN_TASK
+             else [_unit(task, length, ss[i].index) for i in range(0, len(ss), cfg.batch_size)])
+    if set(units) <= set(done):
+      bar.update(len(units) * (1 + (len(decode_configs(cfg, cfg.multiturn_methods))
+                                    if task == tasks_lib.MULTITURN_TASK else
+                                    len(decode_configs(cfg)) if cfg.decode else 0)))
+      continue
     if shape not in (None, (p, mn)):
       runner.release_compiled()  # other shapes: the previous group's programs are not reused
     shape = (p, mn)
     if task == tasks_lib.MULTITURN_TASK:
-      _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar)
+      _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar,
+                     skip=set(done), finished=finished, unit=functools.partial(_unit, task, length))
       continue
     if cfg.decode and cfg.precompile:
       runner.precompile([(m, b if b is not None else max(cfg.budgets))
@@ -290,6 +340,9 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True,
                         cfg.batch_size, p, mn, gold=cfg.gold_score, capacity=p + mn)
     for start in range(0, len(ss), cfg.batch_size):
       batch = ss[start:start + cfg.batch_size]
+      if _unit(task, length, batch[0].index) in done:  # an interrupted run's, resumed
+        bar.update(1 + (len(decode_configs(cfg)) if cfg.decode else 0))
+        continue
       ids = [tasks_lib.prompt_ids(tok, s) for s in batch]
       ids += [ids[-1]] * (cfg.batch_size - len(ids))
       tokens = np.zeros((cfg.batch_size, p), np.int32)
@@ -331,17 +384,22 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True,
             records[-1].update(gold_fields(lp[i], am[i], masks[i]))
         bar.update(1, f"{task}@{length} {method}/{budget}")
       del pp  # this batch's K/V (3.8 GB at 8K, batch 10) is freed before the next prompt pass
+      finished(_unit(task, length, batch[0].index))
   bar.close()
   timing["total_s"] = time.perf_counter() - t_start
-  return partial()
+  return partial(final=True)
 
 
-def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
+def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar, skip=frozenset(),
+                   finished=lambda unit: None, unit=str):
   turns = min(cfg.turns, 1 + min(len(s.questions) for s in ss))
   tpad = cfg.turn_pad
   rest = (turns - 1) * (tpad + mn) + mn  # tokens after the first prompt, upper bound
   eos = set(runner.eos_token_ids)
   for s in ss:
+    if unit(s.index) in skip:  # an interrupted run's, resumed
+      bar.update(1 + len(decode_configs(cfg, cfg.multiturn_methods)))
+      continue
     ids = tasks_lib.chat_ids(tok, s.prompt)
     if len(ids) > p:
       raise ValueError(f"multiturn: prompt has {len(ids)} > {p} tokens")
@@ -417,6 +475,7 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar):
       timing["decode_s"] += time.perf_counter() - t0
       bar.update(1, f"multiturn {method}/{budget}")
     runner.release_if_crowded()
+    finished(unit(s.index))
 
 
 def _turn_gold(tok, sample, answers, limit: int):
