@@ -30,7 +30,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_cpu_enable_xprof_traceme=true").strip()
 
@@ -40,7 +39,21 @@ import jax.numpy as jnp  # noqa: E402
 import rocketkv_jax as rocketkv  # noqa: E402
 from rocketkv_jax.stage2_state import attach  # noqa: E402
 
-import decode_steps  # noqa: E402  (benchmarks/decode_steps.py)
+
+
+def _load_decode_steps():
+  """benchmarks/decode_steps.py, loaded by path: benchmarks/ on sys.path in an importing process
+  (the tests) would let benchmarks/kernels.py shadow the PyPI `kernels` that transformers uses."""
+  import importlib.util
+  here = os.path.dirname(os.path.abspath(__file__))
+  spec = importlib.util.spec_from_file_location("decode_steps",
+                                                os.path.join(here, "decode_steps.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+decode_steps = _load_decode_steps()
 
 HQ, HKV, D = 32, 8, 128
 
