@@ -9,7 +9,8 @@ reference path.
 - `sparse_attention`: flash-decoding over gathered slots (== attend.sparse_attention_xla).
 - `window_scores`: stage-1 SnapKV window scores (== evict.window_scores_xla).
 - `quant_slot_logits`: `stage2="quant"` per-slot logits from the packed key codes
-  (== stage2_quant.slot_logits_xla); interpret-mode tested and lowered for CUDA, not yet
+  (== methods/stage2/quant.slot_logits_xla); interpret-mode tested and lowered for CUDA, not
+  yet
   compiled or timed on a GPU.
 
 Status: compiled and timed on an NVIDIA H200 (jax 0.11.2, results/kernels_h200.md). At

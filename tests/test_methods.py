@@ -14,6 +14,7 @@ import pytest
 
 import rocketkv_jax as rocketkv
 from rocketkv_jax import methods
+from method_specs import stage2_of
 
 NAMES = sorted(methods.REGISTRY)
 # Each registered method, plus the variants of a method's stage 2 (`Method.stage2_variants`)
@@ -27,7 +28,7 @@ LENGTHS = np.array([48, 29], np.int32)
 def _config(spec, **kw):
   name, _, stage2 = spec.partition(":")
   kw = dict(dict(token_budget=BUDGET, window_size=4, page_size=4, sink_size=2,
-                 stage2=stage2 or "minmax", lowrank_page_size=8, lowrank_rank=3), **kw)
+                 stage2=stage2_of(stage2)), **kw)
   return rocketkv.RocketConfig(method=name, **kw)
 
 

@@ -1,9 +1,9 @@
-"""Stage 2, `stage2="rerank"`: chunk bounds pick candidates, per-token scores pick `top_k`.
+"""`Rerank(factor=1.5)`: chunk bounds pick candidates, per-token scores pick `top_k`.
 
 The paper's min/max chunk score gives every slot of a chunk the same score, so with chunks of 3
 slots on 64-dim heads the top-k reads whole chunks around a few strong tokens and misses others
-(issue #13). Here the chunk scores only shortlist `M = plan.rerank_candidates` slots (about
-`rerank_factor * top_k`); each candidate is then scored on its own key, on the same r dims:
+(issue #13). Here the chunk scores only shortlist `M = Rerank.candidates(top_k)` slots
+(`ceil(factor * top_k)`); each candidate is then scored on its own key, on the same r dims:
 
 1. r dims and SparQ's temperature exactly as the chunk score (`select.py`);
 2. candidate scores q_r . k_r (exact on those dims, no sign choice: the keys themselves) from
@@ -19,14 +19,51 @@ rows already read, so the step reads the r x NC bounds, M K rows and top_k V row
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from rocketkv_jax._checks import require
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, valid_slots
+from rocketkv_jax.methods.stage2.base import Stage2
 from rocketkv_jax.ops import bound_rows_and_query, group_queries
 from rocketkv_jax.select import _group_softmax_sum, approx_scores, check_chunks, top_chunk_slots
+
+
+@dataclasses.dataclass(frozen=True)
+class Rerank(Stage2):
+  """Attributes:
+    factor: candidates per selected slot (>= 1): the chunk bounds shortlist
+      `ceil(factor * top_k)` slots, re-scored per token.
+  """
+
+  name = "rerank"
+  factor: float = 1.5
+
+  def __post_init__(self):
+    f = self.factor
+    require(isinstance(f, (int, float)) and not isinstance(f, bool) and f >= 1,
+            f"Rerank.factor must be a number >= 1, got {f!r}")
+
+  def candidates(self, top_k: int) -> int:
+    """M: slots the chunk bounds shortlist for `top_k` (capped at the capacity when selecting)."""
+    return max(top_k, math.ceil(self.factor * top_k))
+
+  def select(self, q, state, plan, *, sliding_window=None, impl="auto"):
+    require(isinstance(state, KVCache),
+            f"a stage2={self.name!r} plan needs a KVCache, got a {type(state).__name__}")
+    check_chunks(state, plan.chunk_size)
+    chunk = approx_scores(q, state, plan.r, impl=impl)
+    return select_rerank(q, state, plan, chunk, valid_slots(state, sliding_window),
+                         sliding_window)
+
+  def attend(self, q, state, plan, *, sliding_window=None, impl="auto"):
+    # Attends from the candidate K rows it already read (`decode_attend`).
+    return decode_attend(q, state, plan, sliding_window=sliding_window, impl=impl)
 
 
 def top_dims(q: jax.Array, hkv: int, r: int):
@@ -91,7 +128,7 @@ def _rerank(q, cache, plan, chunk_scores, valid, sliding_window):
   of the top_k among them, exact logits [B, Hkv, G, M] of the candidates)."""
   c = cache.capacity
   k = min(plan.top_k, c)
-  m = min(max(plan.rerank_candidates, k), c)
+  m = min(max(plan.stage2.candidates(plan.top_k), k), c)
   cand = top_chunk_slots(chunk_scores, cache, m, sliding_window)
   # Candidates past the valid slots (only when fewer than m are valid) may be >= C.
   safe = jnp.minimum(cand, c - 1)
