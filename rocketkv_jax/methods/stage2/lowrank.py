@@ -41,7 +41,8 @@ from rocketkv_jax._checks import require, require_int
 from rocketkv_jax.cache import KVCache, valid_slots
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.methods.stage2.base import Stage2
-from rocketkv_jax.select import _group_softmax_sum, check_query, top_scored_slots
+from rocketkv_jax.ops import group_softmax_sum
+from rocketkv_jax.select import check_query, top_scored_slots
 
 
 @struct.dataclass
@@ -204,7 +205,7 @@ def select_lowrank(q: jax.Array, state: LowRankState, plan: Plan, *,
   win_ok = jnp.take_along_axis(valid, win_slots, axis=-1)
   win_ok = win_ok & (win_slots >= state.n_prompt[:, None, None])
   ok = jnp.concatenate([prompt_ok, win_ok], axis=-1)  # [B, Hkv, NP * P + W]
-  scores = _group_softmax_sum(logits, ok)
+  scores = group_softmax_sum(logits, ok)
 
   def slot_of(best):  # entries [0, n) are prompt slots, the rest the window's
     if not w:

@@ -64,11 +64,11 @@ from flax import struct
 from rocketkv_jax import _impl
 from rocketkv_jax._checks import require
 from rocketkv_jax.budget import Plan
-from rocketkv_jax.cache import KVCache, _write_rows, valid_slots
+from rocketkv_jax.cache import KVCache, valid_slots, write_rows
 from rocketkv_jax.attend import attend
 from rocketkv_jax.methods.stage2.base import Stage2
-from rocketkv_jax.ops import bound_rows_and_query, group_queries, masked_softmax
-from rocketkv_jax.select import check_query, group_sum, top_scored_slots
+from rocketkv_jax.ops import bound_rows_and_query, group_queries, group_sum, masked_softmax
+from rocketkv_jax.select import check_query, top_scored_slots
 
 BITS = (1, 2, 4, 8)
 CAPACITY = ("paper", "equal_read")
@@ -261,7 +261,7 @@ def append_codes(state: QuantState, new: KVCache) -> QuantState:
     came = jnp.take_along_axis(new.v, at, axis=2)[:, :, 0].astype(jnp.float32)
     full = (state.cache.length >= c)[:, None, None]
     v_sum = v_sum + came - jnp.where(full, gone, 0.0)
-  return state.replace(cache=new, codes=_write_rows(state.codes, col, byte, axis=3),
+  return state.replace(cache=new, codes=write_rows(state.codes, col, byte, axis=3),
                        v_sum=v_sum)
 
 
@@ -300,12 +300,9 @@ def slot_logits_xla(q: jax.Array, state: QuantState, r: int) -> jax.Array:
 
 def slot_logits(q: jax.Array, state: QuantState, r: int, *, impl: str = "auto") -> jax.Array:
   """`slot_logits_xla`, or the Pallas kernel (`kernels.quant_slot_logits`) as `impl` picks."""
-  def pallas(interpret):
-    from rocketkv_jax import kernels  # imported on first use (Pallas is a heavy import)
-    return kernels.quant_slot_logits(q, state.codes, state.step, r=r, bits=state.bits,
-                                     capacity=state.cache.capacity, interpret=interpret)
-
-  return _impl.dispatch(impl, lambda: slot_logits_xla(q, state, r), pallas)
+  return _impl.dispatch(impl, lambda: slot_logits_xla(q, state, r), "quant_slot_logits", q,
+                        state.codes, state.step, r=r, bits=state.bits,
+                        capacity=state.cache.capacity)
 
 
 def select_quant(q: jax.Array, state: QuantState, plan: Plan, *,

@@ -27,11 +27,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from rocketkv_jax._checks import require
+from rocketkv_jax.attend import softmax_combine
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, valid_slots
 from rocketkv_jax.methods.stage2.base import Stage2
-from rocketkv_jax.ops import bound_rows_and_query, group_queries
-from rocketkv_jax.select import _group_softmax_sum, approx_scores, check_chunks, top_chunk_slots
+from rocketkv_jax.ops import bound_rows_and_query, group_queries, group_softmax_sum
+from rocketkv_jax.select import approx_scores, check_chunks, top_chunk_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +113,7 @@ def scores_of_rows(q: jax.Array, rows: jax.Array, ok: jax.Array, r: int) -> jax.
     [B, Hkv, M] float32: softmax over the valid candidates of q_r . k_r (SparQ-scaled) per query
     head, summed over the group; 0 where not `ok`.
   """
-  return _group_softmax_sum(_logits_of_rows(q, rows, r)[0], ok)
+  return group_softmax_sum(_logits_of_rows(q, rows, r)[0], ok)
 
 
 def candidate_scores_xla(q: jax.Array, k: jax.Array, cand: jax.Array, cand_ok: jax.Array,
@@ -135,7 +136,7 @@ def _rerank(q, cache, plan, chunk_scores, valid, sliding_window):
   ok = jnp.take_along_axis(valid, safe, axis=-1) & (cand < c)
   rows = jnp.take_along_axis(cache.k, safe[..., None], axis=2).astype(jnp.float32)
   approx, exact = _logits_of_rows(q, rows, plan.r)
-  scores = _group_softmax_sum(approx, ok)
+  scores = group_softmax_sum(approx, ok)
   _, best = lax.top_k(jnp.where(ok, scores, -jnp.inf), k)  # ties: the lower (better) candidate
   return cand, ok, best, exact
 
@@ -171,13 +172,9 @@ def decode_attend(q: jax.Array, cache: KVCache, plan: Plan, *,
                                   valid, sliding_window)
   c = cache.capacity
   slots = jnp.minimum(jnp.take_along_axis(cand, best, axis=-1), c - 1)
-  sel_ok = jnp.take_along_axis(ok, best, axis=-1)[:, :, None, :]  # [B, Hkv, 1, k]
+  sel_ok = jnp.take_along_axis(ok, best, axis=-1)  # [B, Hkv, k]
   logits = jnp.take_along_axis(exact, best[:, :, None, :], axis=-1)  # [B, Hkv, G, k]
-  logits = jnp.where(sel_ok, logits, -jnp.inf)
-  mx = jnp.max(logits, axis=-1, keepdims=True)
-  p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
   v_sel = jnp.take_along_axis(cache.v, slots[..., None], axis=2).astype(jnp.float32)
-  out = jnp.einsum("bhgk,bhkd->bhgd", p, v_sel)
-  out = out / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+  out = softmax_combine(logits, sel_ok, v_sel)
   b, hq, d = q.shape
   return out.reshape(b, hq, d).astype(q.dtype)
