@@ -49,7 +49,8 @@ class Plan:
     r: head dims used by the approximate score.
     full_capacity: slots of the uncompressed cache kept by `rocketkv_mt` (0 otherwise).
     stage2: RocketKV's stage-2 variant, the `Stage2` object of `RocketConfig.stage2` with its
-      own settings as fields (rocketkv_jax/methods/stage2/); None for methods without one.
+      own settings as fields (rocketkv_jax/methods/stage2/); `MinMax()` for methods without
+      variants (None only in a Plan made by hand).
     skip_layers: the first layers that keep their whole cache and attend densely (rocketkv,
       rocketkv_mt: `RocketConfig.skip_layers`; 0 otherwise).
     window_reduce: stage 1's reduction of the window's probabilities, "sum" | "max"

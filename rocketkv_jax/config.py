@@ -117,6 +117,7 @@ def plan(config: RocketConfig, prompt_len: int, max_new_tokens: int, head_dim: i
   require(config.r is None or config.r <= head_dim,
           f"r must be in [1, head_dim={head_dim}], got {config.r}")
   split = methods.get(config.method).split(config, prompt_len, max_new_tokens, head_dim)
+  split.setdefault("stage2", config.stage2)  # MinMax() for the methods without variants
   if config.capacity is not None:
     split["capacity"] = config.capacity
   kept = min(split["prompt_budget"], prompt_len)
