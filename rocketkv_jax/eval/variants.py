@@ -35,7 +35,7 @@ from __future__ import annotations
 import typing
 
 import rocketkv_jax as rocketkv
-from rocketkv_jax.config import STAGE2, WINDOW_REDUCE
+from rocketkv_jax.config import WINDOW_REDUCE
 from rocketkv_jax.methods import stage2 as stage2_lib
 
 _STAGE2_KEYS = stage2_lib.spec_keys()  # e.g. "quant_bits" -> (Quant, "bits")
@@ -85,7 +85,7 @@ def _stage2(spec: str, overrides: dict):
 
 
 def _value(spec: str, key: str, val: str) -> int | float | str:
-  names = {"stage2": STAGE2, "window_reduce": WINDOW_REDUCE}.get(key)
+  names = {"stage2": tuple(stage2_lib.REGISTRY), "window_reduce": WINDOW_REDUCE}.get(key)
   if names is not None:
     if val not in names:
       raise ValueError(f"method override {key}={val!r} in {spec!r} must be one of "

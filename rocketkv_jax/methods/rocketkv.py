@@ -41,8 +41,11 @@ class RocketKV(Method):
   summary = "stage 1 eviction to the planned capacity + hybrid sparse attention (top_k=B/2)"
   dense = False
   replan_per_turn = True
-  stage2_variants = STAGE2
   accepts_skip_layers = True
+
+  @property
+  def stage2_variants(self):
+    return tuple(stage2_lib.REGISTRY)  # every registered variant, also one registered later
 
   def check_config(self, config):
     require_window_budget(config)
