@@ -16,7 +16,7 @@ bit (uint16) storage; see `dense_step`).
 
 With `--stage2 minmax rerank lowrank quant quant_equal_read` it also times RocketKV's stage-2
 variants side by side (`RocketConfig.stage2`; `quant_equal_read` is "quant" with
-`quant_capacity="equal_read"`; the variants' steps interleaved round by round, so that load on
+`Quant(capacity="equal_read")`; the variants' steps interleaved round by round, so that load on
 the machine hits them alike) and prints each one's step time, bytes read per step and bytes
 held (one layer's decode state: K/V plus bounds or codes) as ratios to minmax (issue #13's
 targets: <= 1.3x the time, <= 1.2x the bytes read):
@@ -188,35 +188,36 @@ def stage2_read_bytes(plan, itemsize: int, num_kv_heads: int = HKV) -> int:
     quant:   r rows of C * bits / 8 packed code bytes + r fp32 grid steps + top_k K and V rows
              (+ D fp32 values of the running value sum with `mean_value`).
   """
-  d, c = plan.head_dim, plan.capacity
+  d, c, s2 = plan.head_dim, plan.capacity, plan.stage2
   rows = 2 * min(plan.top_k, c) * d
-  if plan.stage2 == "lowrank":
+  if isinstance(s2, rocketkv.LowRank):
     w = min(plan.max_new_tokens, c)
-    p, r = plan.lowrank_page_size, plan.lowrank_rank
+    p, r = s2.page_size, s2.rank
     npg = max(1, -(-(c - w) // p))
     n = npg * (r + 1) * d + npg * p * r + w * d + rows
-  elif plan.stage2 == "quant":  # codes are bytes, not cache items: counted apart below
-    code_bytes = plan.r * (-(-c * plan.quant_bits // 8)) + plan.r * 4 + plan.mean_value * d * 4
+  elif isinstance(s2, rocketkv.Quant):  # codes are bytes, not cache items: counted apart below
+    code_bytes = plan.r * (-(-c * s2.bits // 8)) + plan.r * 4 + s2.mean_value * d * 4
     return (rows * itemsize + code_bytes) * num_kv_heads
-  elif plan.stage2 == "rerank":
-    n = plan.num_chunks * plan.r + (min(plan.rerank_candidates, c) + min(plan.top_k, c)) * d
+  elif isinstance(s2, rocketkv.Rerank):
+    m = min(s2.candidates(plan.top_k), c)
+    n = plan.num_chunks * plan.r + (m + min(plan.top_k, c)) * d
   else:
     n = plan.num_chunks * plan.r + rows
   return n * num_kv_heads * itemsize
 
 
-# `--stage2` names: RocketConfig.stage2's values, "quant_equal_read" for stage2="quant" with
-# quant_capacity="equal_read" (stage 1 keeps the slots the codes' saved bytes pay for), and
+# `--stage2` names: RocketConfig.stage2's values, "quant_equal_read" for
+# Quant(capacity="equal_read") (stage 1 keeps the slots the codes' saved bytes pay for), and
 # "quant_equal_read_mean" with mean_value=True as well (SparQ's mean-value fill).
-QUANT_NAMED = {"quant_equal_read": dict(quant_capacity="equal_read"),
-               "quant_equal_read_mean": dict(quant_capacity="equal_read", mean_value=True)}
+QUANT_NAMED = {"quant_equal_read": dict(capacity="equal_read"),
+               "quant_equal_read_mean": dict(capacity="equal_read", mean_value=True)}
 STAGE2_CHOICES = list(rocketkv.STAGE2) + list(QUANT_NAMED)
 
 
 def stage2_config(budget: int, name: str) -> rocketkv.RocketConfig:
   """The RocketConfig of a `--stage2` name (`STAGE2_CHOICES`) at `budget`."""
   if name in QUANT_NAMED:
-    return rocketkv.RocketConfig(token_budget=budget, stage2="quant", **QUANT_NAMED[name])
+    return rocketkv.RocketConfig(token_budget=budget, stage2=rocketkv.Quant(**QUANT_NAMED[name]))
   return rocketkv.RocketConfig(token_budget=budget, stage2=name)
 
 
@@ -225,8 +226,6 @@ def bench_stage2(context, budget, dtype, variants, rounds, steps, impl):
   interleaved in `rounds` rounds of `steps` steps (rounds * steps + 1 <= 100, the plan's free
   slots). CPU time is the steadier number on a machine shared with other jobs. Returns
   {variant: (wall s, cpu s, bytes, plan)}."""
-  from rocketkv_jax.stage2_state import attach
-
   q, kn, vn = _inputs(dtype)
   k1, k2 = jax.random.split(jax.random.PRNGKey(2))
   runs = {}
@@ -234,7 +233,7 @@ def bench_stage2(context, budget, dtype, variants, rounds, steps, impl):
     plan = rocketkv.plan(stage2_config(budget, s2), context - 100, 100, D)
     kc = jax.random.normal(k1, (1, HKV, plan.prompt_budget, D), dtype)
     vc = jax.random.normal(k2, (1, HKV, plan.prompt_budget, D), dtype)
-    state = attach(rocketkv.full_cache(kc, vc, plan.capacity, plan.chunk_size), plan)
+    state = plan.stage2.prefill(rocketkv.full_cache(kc, vc, plan.capacity, plan.chunk_size), plan)
     step = jax.jit(lambda q, kn, vn, c, plan=plan: rocketkv.decode_step(q, kn, vn, c, plan,
                                                                         impl=impl),
                    donate_argnums=3)
@@ -272,16 +271,25 @@ def main_stage2(args):
         res = bench_stage2(ctx, b, dtype, variants, args.rounds, args.steps, args.impl)
         t0, c0, b0, _, h0 = res["minmax"]
         for s2, (t, ct, nb, p, held) in res.items():
-          extra = {"minmax": "-", "rerank": f"M={min(p.rerank_candidates, p.capacity)}",
-                   "lowrank": f"P={p.lowrank_page_size} R={p.lowrank_rank}",
-                   "quant": f"bits={p.quant_bits}",
-                   "quant_equal_read": f"bits={p.quant_bits}, equal read",
-                   "quant_equal_read_mean": f"bits={p.quant_bits}, equal read, mean value"}[s2]
+          extra = _extra(s2, p)
           print(f"| {dtype.name} | {ctx // 1024}K | {b} | {s2} | {p.capacity} / {p.chunk_size} / "
                 f"{p.r} / {p.top_k} | {extra} | {t * 1e3:.3f} | {t / t0:.2f}x | "
                 f"{ct * 1e3:.3f} | {ct / c0:.2f}x | {nb / 1024:.1f} | {nb / b0:.3f}x | "
                 f"{held / 1024:.0f} | {held / h0:.3f}x |",
                 flush=True)
+
+
+def _extra(name: str, p) -> str:
+  """The table's "extra" cell: the variant's own settings."""
+  s = p.stage2
+  if name == "rerank":
+    return f"M={min(s.candidates(p.top_k), p.capacity)}"
+  if name == "lowrank":
+    return f"P={s.page_size} R={s.rank}"
+  if name.startswith("quant"):
+    return f"bits={s.bits}" + ", equal read" * (s.capacity == "equal_read") + \
+        ", mean value" * s.mean_value
+  return "-"
 
 
 def main():

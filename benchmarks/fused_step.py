@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import rocketkv_jax as rocketkv
-from rocketkv_jax import fused_step, stage2_quant
+from rocketkv_jax import fused_step
+from rocketkv_jax.methods.stage2 import quant as stage2_quant
 from rocketkv_jax.kernels import fused_decode
 
 T0 = time.perf_counter()
@@ -74,7 +75,7 @@ def launches(f, *args) -> int:
 
 
 def run_case(variant, b, ctx, budget, hq, hkv, d, interpret, iters) -> dict:
-  extra = dict(stage2="quant", quant_capacity="equal_read") if variant == "quant" else {}
+  extra = dict(stage2=rocketkv.Quant(capacity="equal_read")) if variant == "quant" else {}
   plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=budget, **extra), ctx - 100, 100, d)
   lengths = kb._ragged(b, plan.capacity) if b <= 4 else [plan.capacity - 37] * b
   key = jax.random.PRNGKey(b * 7 + budget)

@@ -54,8 +54,8 @@ from rocketkv_jax.attend import sparse_attention_xla
 from rocketkv_jax.cache import bounds_of
 from rocketkv_jax.evict import window_scores_xla
 from rocketkv_jax.select import approx_bounds_scores_xla, approx_chunk_scores_xla
-from rocketkv_jax.stage2_quant import slot_logits_xla as quant_slot_logits_xla
-from rocketkv_jax.stage2_state import attach, unwrap
+from rocketkv_jax.methods.stage2 import cache_of
+from rocketkv_jax.methods.stage2.quant import slot_logits_xla as quant_slot_logits_xla
 
 # HBM peak bandwidth (GB/s) by device-kind substring; --peak-gbps overrides.
 PEAK_GBPS = {"H200": 4800, "H100": 3350, "H800": 3350, "A100-SXM4-80GB": 2039, "A100": 1555,
@@ -354,17 +354,18 @@ class Sweep:
 def _select_attend(q, cache, plan, impl):
   """`cache`: the plan's stage-2 state (a `KVCache`, or a `QuantState` for "quant")."""
   idx = rocketkv.select(q, cache, plan, impl=impl)
-  return rocketkv.attend(q, unwrap(cache), idx, impl=impl)
+  return rocketkv.attend(q, cache_of(cache), idx, impl=impl)
 
 
 def _quant_state(cache, qplan):
   """The `QuantState` of the same keys and values (a cache without chunk summaries)."""
-  return attach(rocketkv.full_cache(cache.k, cache.v, qplan.capacity, 0, cache.length), qplan)
+  full = rocketkv.full_cache(cache.k, cache.v, qplan.capacity, 0, cache.length)
+  return qplan.stage2.prefill(full, qplan)
 
 
 def _quant_plan(budget, length, d):
   """The `stage2="quant"` (4-bit) plan of the same split as the paper's."""
-  return rocketkv.plan(rocketkv.RocketConfig(token_budget=budget, stage2="quant", quant_bits=4),
+  return rocketkv.plan(rocketkv.RocketConfig(token_budget=budget, stage2=rocketkv.Quant(bits=4)),
                        length - 100, 100, d)
 
 

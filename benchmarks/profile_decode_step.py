@@ -37,7 +37,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import rocketkv_jax as rocketkv  # noqa: E402
-from rocketkv_jax.stage2_state import attach  # noqa: E402
 
 
 
@@ -65,7 +64,7 @@ def _attention_step(a):
   plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=a.budget, stage2=a.stage2),
                        a.context - free, free, D)
   k = jax.random.normal(jax.random.PRNGKey(0), (1, HKV, plan.prompt_budget, D), dt)
-  cache = attach(rocketkv.full_cache(k, k, plan.capacity, plan.chunk_size), plan)
+  cache = plan.stage2.prefill(rocketkv.full_cache(k, k, plan.capacity, plan.chunk_size), plan)
   q = jax.random.normal(jax.random.PRNGKey(1), (1, HQ, D), dt)
   kn = jnp.ones((1, HKV, 1, D), dt)
   # The state carries the inputs (so XLA cannot fold them, as in a model's step, where they

@@ -42,12 +42,8 @@ QUANT_STEP_BYTES = 4  # the per-channel fp32 grid step a "quant" score reads per
 
 # --------------------------------------------------------------------------- accounting
 def quant_bits(plan) -> int:
-  """Bits per key code of a stage2="quant" plan, 0 for any other plan. The one place that reads
-  them: `plan.stage2` is a name today and may become a strategy object with `.bits`."""
-  s2 = plan.stage2
-  if isinstance(s2, str):
-    return plan.quant_bits if s2 == "quant" else 0
-  return int(getattr(s2, "bits", 0) or 0)
+  """Bits per key code of a stage2="quant" plan (`Quant.bits`), 0 for any other plan."""
+  return int(getattr(plan.stage2, "bits", 0) or 0)
 
 
 def stage2_kind(plan) -> str:
@@ -57,8 +53,8 @@ def stage2_kind(plan) -> str:
     return "dense"
   if quant_bits(plan):
     return "quant"
-  s2 = plan.stage2 if isinstance(plan.stage2, str) else getattr(plan.stage2, "name", "")
-  if s2 in ("minmax", "") and plan.chunk_size > 0 and not getattr(plan, "rerank_candidates", 0):
+  s2 = getattr(plan.stage2, "name", "")
+  if s2 == "minmax" and plan.chunk_size > 0:
     return "minmax"
   return s2 or type(plan.stage2).__name__
 

@@ -116,7 +116,7 @@ SMALL_HEADS_SPEC = "rocketkv:stage2=quant,quant_capacity=equal_read,window_reduc
 
 def small_heads_note(config: "rocketkv.RocketConfig", head_dim: int) -> str | None:
   """A note for the paper's stage 2 on heads below 128 dims, else None."""
-  if config.method not in ("rocketkv", "rocketkv_mt") or config.stage2 != "minmax" \
+  if config.method not in ("rocketkv", "rocketkv_mt") or config.stage2.name != "minmax" \
       or head_dim >= 128:
     return None
   return (f"note: on {head_dim}-dim heads the paper's chunk min/max bounds can rank a needle's "

@@ -9,7 +9,7 @@ reference path.
 - `sparse_attention`: flash-decoding over gathered slots (== attend.sparse_attention_xla).
 - `window_scores`: stage-1 SnapKV window scores (== evict.window_scores_xla).
 - `quant_slot_logits`: `stage2="quant"` per-slot logits from the packed key codes
-  (== stage2_quant.slot_logits_xla).
+  (== methods/stage2/quant.slot_logits_xla).
 
 Status, correctness on a GPU and timings: docs/kernels.md. Block sizes, split counts and warps
 are static keyword arguments with untuned defaults; `benchmarks/kernels.py` checks and times

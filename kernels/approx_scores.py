@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 
 from rocketkv_jax._checks import group_size, require, require_rank
 from rocketkv_jax.cache import two_sided
-from rocketkv_jax.ops import bound_rows_and_query, group_queries, masked_softmax
+from rocketkv_jax.ops import bound_rows_and_query, chunk_valid, group_queries, group_softmax_sum
 
 from ._util import cdiv, compiler_params, load_rows, next_pow2, padded_dim
 
@@ -40,14 +40,6 @@ def _kernel(rows_ref, q_ref, b_ref, o_ref, *, num_chunks: int, group: int, block
   for g in range(group):  # static: G is 1..8 for the models we run
     qg = q_ref[g, :]  # [R]
     o_ref[g, :] = jnp.sum(tile * qg[:, None], axis=0)
-
-
-def _group_softmax_sum(logits, length, chunk_size: int):
-  """[B, Hkv, G, NC] logits -> [B, Hkv, NC] softmax over valid chunks, summed over the group
-  (as `rocketkv_jax.select`'s XLA path)."""
-  nc = logits.shape[-1]
-  ok = (jnp.arange(nc) * chunk_size < length[:, None])[:, None, None, :]
-  return jnp.sum(masked_softmax(logits, ok), axis=2)
 
 
 def _check(q, bounds, length, chunk_size, r):
@@ -115,7 +107,9 @@ def approx_bounds_scores(q: jax.Array, bounds: jax.Array, length: jax.Array, *,
       compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
       name="rocketkv_approx_chunk_logits",
   )(rows, q_r, bounds)
-  return _group_softmax_sum(logits[..., :nc], length.astype(jnp.int32), chunk_size)
+  # The epilogue of the XLA path, the same function (rocketkv_jax/ops.py).
+  return group_softmax_sum(logits[..., :nc],
+                           chunk_valid(length.astype(jnp.int32), nc, chunk_size))
 
 
 def approx_chunk_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: jax.Array, *,

@@ -23,12 +23,12 @@ H200 that chain costs ~45 us per layer for ~1 MB read, whatever the context
    tensor-core dot). Writes the output rows [G, D] of its KV head straight into `[B, Hq, D]`.
 
 `stage2="quant"` swaps kernel 1 for `rocketkv_fused_quant_scores` (every slot scored from its
-packed key codes, `stage2_quant.slot_logits_xla`, then the same softmax and group sum) and runs
+packed key codes, `methods/stage2/quant.slot_logits_xla`, then the same softmax and group sum) and runs
 kernel 2 with chunks of one slot (`fused_quant_attend`).
 
 Only prefix-valid caches (no sliding window) take this path; `rocketkv_jax.fused_step` decides.
 The kernels equal the XLA path: `select.approx_bounds_scores_xla` + `select.top_slots` (or
-`stage2_quant.select_quant`) + `attend.sparse_attention_xla`, the same slots
+`methods/stage2/quant.select_quant`) + `attend.sparse_attention_xla`, the same slots
 (tests/test_fused_decode.py). The expected H200 floor is in docs/gpu.md.
 """
 
@@ -125,7 +125,7 @@ def _quant_scores_kernel(len_ref, q_ref, step_ref, codes_ref, s_ref, *, d: int, 
                          group: int, bits: int, num_bytes: int, block_n: int, num_blocks: int):
   """`stage2="quant"`'s kernel 1. len [1]; q [Hq, D]; step [D] f32 grid steps; codes [D, Nb]
   uint8 (slot i: byte i % Nb, bits (i // Nb) * bits) -> s [Cp] f32 group-summed softmax of the
-  slots' logits (`stage2_quant.slot_logits_xla`), 0 for invalid slots, in slot order."""
+  slots' logits (`methods/stage2/quant.slot_logits_xla`), 0 for invalid slots, in slot order."""
   length = len_ref[0]
   _, keep, qr = _top_r(q_ref, d, r, group)
   step = step_ref[...].astype(jnp.float32)

@@ -2,7 +2,8 @@
 
 Per KV head (G query heads in its group), the r dims stage 2 reads and the query scaled by each
 dim's grid step are picked in XLA (`lax.top_k` over [B, Hkv, D], tiny;
-`stage2_quant.coded_query`, shared with `slot_logits_xla`). The kernel, grid (batch, KV head,
+`methods/stage2/quant.coded_query`, shared with `slot_logits_xla`). The kernel, grid (batch, KV
+head,
 block of code bytes), gathers just those r rows of `block_n` bytes straight from the codes
 `[B, Hkv, D, Nb]` uint8 ([R, block_n], R = r padded to a power of two >= 16, padding rows
 masked), unpacks each of the `8 / bits` code planes in registers and computes the G logit
@@ -13,7 +14,8 @@ The unpacked codes never reach HBM: the step reads r * C * bits / 8 bytes of cod
 G * 4 bytes of logits per slot. The masked softmax over slots, the group sum and `top_k` run in
 XLA (`select_quant`).
 
-Layout (`stage2_quant` module doc): slot i is byte i % Nb at bit (i // Nb) * bits, so plane j of
+Layout (`methods/stage2/quant.py` module doc): slot i is byte i % Nb at bit (i // Nb) * bits, so
+plane j of
 a byte block holds slots j * Nb + [columns of the block]: the kernel writes logits as
 [B, Hkv, G, per, Nb], which reshapes to slot order with no shuffle.
 """
@@ -28,7 +30,7 @@ from jax.experimental import pallas as pl
 
 from rocketkv_jax._checks import group_size, require, require_rank
 from rocketkv_jax.ops import group_queries
-from rocketkv_jax.stage2_quant import BITS, coded_query
+from rocketkv_jax.methods.stage2.quant import BITS, coded_query
 
 from ._util import cdiv, compiler_params, load_rows, next_pow2, padded_dim
 
@@ -64,7 +66,8 @@ def quant_slot_logits(q: jax.Array, codes: jax.Array, step: jax.Array, *, r: int
     block_n: code bytes per program (power of two >= 16).
     num_warps, num_stages: Triton launch parameters.
   Returns:
-    [B, Hkv, G, C] float32; equals `rocketkv_jax.stage2_quant.slot_logits_xla` up to the order
+    [B, Hkv, G, C] float32; equals `rocketkv_jax.methods.stage2.quant.slot_logits_xla` up to the
+    order
     of the fp32 sums.
   """
   require_rank("q", q, 3, "[B, Hq, D]")

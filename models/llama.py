@@ -64,7 +64,7 @@ from rocketkv_jax.models.attention import blockwise_causal_attention
 from rocketkv_jax.models.config import ModelConfig
 from rocketkv_jax.models.precision import compute_params
 from rocketkv_jax.models.rope import apply_rope
-from rocketkv_jax.ops import group_queries
+from rocketkv_jax.ops import group_queries, masked_softmax
 
 Params = dict[str, Any]
 
@@ -558,12 +558,13 @@ def _turn_attention(q, ck, cv, cvalid, tk, tv, tvalid):
   qg = group_queries(q, ck.shape[1]).astype(jnp.float32)
   scale = 1.0 / np.sqrt(d)
   s_c = jnp.einsum("bhgtd,bhcd->bhgtc", qg, ck.astype(jnp.float32)) * scale
-  s_c = jnp.where(cvalid[:, :, None, None, :], s_c, -1e30)
   s_t = jnp.einsum("bhgtd,bhsd->bhgts", qg, tk.astype(jnp.float32)) * scale
   causal = jnp.tril(jnp.ones((t, t), bool))
-  s_t = jnp.where(causal[None, None, None] & tvalid[:, None, None, None, :], s_t, -1e30)
-  s = jnp.concatenate([s_c, s_t], axis=-1)
-  p = jax.nn.softmax(s, axis=-1)
+  ok_t = causal[None, None, None] & tvalid[:, None, None, None, :]
+  ok = jnp.concatenate([jnp.broadcast_to(cvalid[:, :, None, None, :], s_c.shape),
+                        jnp.broadcast_to(ok_t, s_t.shape)], axis=-1)
+  # The package's one masking rule (ops.masked_softmax): masked -inf, a row with none all 0.
+  p = masked_softmax(jnp.concatenate([s_c, s_t], axis=-1), ok)
   vals = jnp.concatenate([cv, tv], axis=2).astype(jnp.float32)
   o = jnp.einsum("bhgts,bhsd->bhgtd", p, vals)
   return o.reshape(b, hq, t, d).astype(q.dtype)

@@ -21,14 +21,16 @@ from rocketkv_jax.config import (METHODS, STAGE2, WINDOW_REDUCE, Plan, RocketCon
 from rocketkv_jax.decode import decode_step, prefill, select  # noqa: E402
 from rocketkv_jax.evict import evict  # noqa: E402
 from rocketkv_jax.multiturn import MTState, begin_turn  # noqa: E402
-from rocketkv_jax.stage2_lowrank import LowRankState  # noqa: E402
-from rocketkv_jax.stage2_quant import QuantState  # noqa: E402
+from rocketkv_jax.methods.stage2 import LowRank, MinMax, Quant, Rerank, Stage2  # noqa: E402
+from rocketkv_jax.methods.stage2.lowrank import LowRankState  # noqa: E402
+from rocketkv_jax.methods.stage2.quant import QuantState  # noqa: E402
 from rocketkv_jax.generate import GenerationResult, generate  # noqa: E402
 from rocketkv_jax.teacher_forced import ContinuationScores, score_continuations  # noqa: E402
 
 __all__ = [
-    "ContinuationScores", "GenerationResult", "KVCache", "LowRankState", "METHODS", "MTState",
-    "Plan", "QuantState", "RocketConfig", "STAGE2", "WINDOW_REDUCE", "append", "attend",
+    "ContinuationScores", "GenerationResult", "KVCache", "LowRank", "LowRankState", "METHODS",
+    "MTState", "MinMax", "Plan", "Quant", "QuantState", "Rerank", "RocketConfig", "STAGE2",
+    "Stage2", "WINDOW_REDUCE", "append", "attend",
     "begin_turn", "cache_overflow", "chunk_summaries",
     "decode_step", "empty_cache", "evict", "extend", "full_cache", "generate", "plan", "prefill",
     "score_continuations", "select",

@@ -29,16 +29,27 @@ def check(impl: str) -> None:
   require(impl in IMPLS, f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def dispatch(impl: str, xla: Callable[[], object], pallas: Callable[[bool], object]):
-  """Runs `xla()` or `pallas(interpret)` as `impl` asks for the platform being lowered for.
+def dispatch(impl: str, xla: Callable[[], object], kernel: str | Callable[[bool], object],
+             *args, **kwargs):
+  """Runs `xla()` or the Pallas kernel `kernels.<kernel>(*args, **kwargs, interpret=...)` as
+  `impl` asks for the platform being lowered for.
 
   Args:
     impl: "auto" | "xla" | "pallas".
     xla: () -> result, the pure-jnp path.
-    pallas: (interpret: bool) -> result, the kernel path (same result structure as `xla`).
+    kernel: the name of a function in `rocketkv_jax.kernels` (same result structure as `xla`),
+      called with `args`, `kwargs` and `interpret`; or a callable `interpret -> result` that
+      imports and calls its kernels itself.
   """
   check(impl)
   if impl == "xla":
     return xla()
+
+  def pallas(interpret: bool):
+    if callable(kernel):
+      return kernel(interpret)
+    from rocketkv_jax import kernels  # imported on first use (Pallas is a heavy import)
+    return getattr(kernels, kernel)(*args, interpret=interpret, **kwargs)
+
   other = xla if impl == "auto" else (lambda: pallas(True))
   return lax.platform_dependent(cuda=lambda: pallas(False), default=other)

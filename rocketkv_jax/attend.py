@@ -24,16 +24,27 @@ def _softmax_combine(qg, k, v, valid, k_extra=None, v_extra=None):
     out = jnp.einsum("bhkd,bhgd->bhkg", k, q, preferred_element_type=jnp.float32)
     return jnp.swapaxes(out, -1, -2)
 
-  logits = jnp.where(valid[:, :, None, :], dot(k, qg.astype(k.dtype)) * scale, -jnp.inf)
+  extra = None if k_extra is None else dot(k_extra, qg.astype(k_extra.dtype)) * scale
+  return softmax_combine(dot(k, qg.astype(k.dtype)) * scale, valid, v, extra, v_extra)
+
+
+def softmax_combine(logits, valid, v, extra=None, v_extra=None):
+  """Softmax attention from its logits: the one softmax-and-values step of every decode attention.
+
+  logits [B, Hkv, G, K] float32 (scaled), valid [B, Hkv, K], v [B, Hkv, K, D] -> [B, Hkv, G, D]
+  float32. `extra [B, Hkv, G, 1]`, `v_extra [B, Hkv, 1, D]`: one more, always valid, logit and
+  value. Masking as `ops.masked_softmax` (-inf; a row with nothing valid gives 0); the weights
+  are normalised after the product with v (one pass over the unnormalised weights).
+  """
+  logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
   mx = jnp.max(logits, axis=-1, keepdims=True)
-  if k_extra is not None:
-    extra = dot(k_extra, qg.astype(k_extra.dtype)) * scale  # [B, Hkv, G, 1]
+  if extra is not None:
     mx = jnp.maximum(mx, extra)
   mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
   p = jnp.exp(logits - mx)
   denom = jnp.sum(p, axis=-1, keepdims=True)
   out = jnp.einsum("bhgk,bhkd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  if k_extra is not None:
+  if extra is not None:
     p_extra = jnp.exp(extra - mx)
     denom = denom + p_extra
     out = out + p_extra * v_extra[:, :, 0][:, :, None, :].astype(jnp.float32)
@@ -113,9 +124,5 @@ def attend(q: jax.Array, cache: KVCache, idx: jax.Array | None = None, *,
                  & (idx >= 0) & (idx < cache.capacity))
   idx = clipped
 
-  def pallas(interpret):
-    from rocketkv_jax import kernels  # imported on first use (Pallas is a heavy import)
-    return kernels.sparse_attention(q, cache.k, cache.v, idx, sel_valid, interpret=interpret)
-
   return _impl.dispatch(impl, lambda: sparse_attention_xla(q, cache.k, cache.v, idx, sel_valid),
-                        pallas)
+                        "sparse_attention", q, cache.k, cache.v, idx, sel_valid)

@@ -35,9 +35,9 @@ import math
 class Plan:
   """The static split for one (config, prompt_len, max_new_tokens, head_dim). Python ints only.
 
-  Frozen and hashable: a static jit argument; `dataclasses.asdict(plan)` is what eval records
-  store. A method-specific static knob is a field with a default (see README, "Adding a
-  method").
+  Frozen and hashable: a static jit argument; its fields (the stage-2 variant flattened:
+  eval/harness.py `_plan_dict`) are what eval records store. A method-specific static knob is
+  a field with a default (see README, "Adding a method").
 
   Attributes:
     method: the method name (a key of `rocketkv.METHODS`).
@@ -48,14 +48,9 @@ class Plan:
       methods that read no summaries.
     r: head dims used by the approximate score.
     full_capacity: slots of the uncompressed cache kept by `rocketkv_mt` (0 otherwise).
-    stage2: RocketKV's stage-2 scorer, "minmax" | "rerank" | "lowrank" | "quant" (methods/rocketkv.py;
-      always "minmax" for other methods).
-    rerank_candidates: slots the chunk bounds pick for "rerank" (ceil(factor * top_k); 0
-      otherwise); capped at the cache capacity when selecting.
-    lowrank_page_size, lowrank_rank: P and R for "lowrank" (0 otherwise).
-    quant_bits: bits per key code for "quant" (0 otherwise).
-    mean_value: "quant" fills the unread slots' weight with the mean value
-      (`RocketConfig.mean_value`; False otherwise).
+    stage2: RocketKV's stage-2 variant, the `Stage2` object of `RocketConfig.stage2` with its
+      own settings as fields (rocketkv_jax/methods/stage2/); `MinMax()` for methods without
+      variants (None only in a Plan made by hand).
     skip_layers: the first layers that keep their whole cache and attend densely (rocketkv,
       rocketkv_mt: `RocketConfig.skip_layers`; 0 otherwise).
     window_reduce: stage 1's reduction of the window's probabilities, "sum" | "max"
@@ -76,12 +71,7 @@ class Plan:
   max_new_tokens: int
   token_budget: int
   full_capacity: int = 0
-  stage2: str = "minmax"
-  rerank_candidates: int = 0
-  lowrank_page_size: int = 0
-  lowrank_rank: int = 0
-  quant_bits: int = 0
-  mean_value: bool = False
+  stage2: object = None  # a methods.stage2.Stage2 (not imported: see the module docstring)
   skip_layers: int = 0
   window_reduce: str = "sum"
 

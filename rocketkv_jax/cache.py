@@ -231,7 +231,7 @@ def _check_new(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> None:
             f"{name} dtype {x.dtype} must match the cache dtype {cache.dtype}")
 
 
-def _write_rows(buf: jax.Array, rows: jax.Array, index: jax.Array, axis: int = 2) -> jax.Array:
+def write_rows(buf: jax.Array, rows: jax.Array, index: jax.Array, axis: int = 2) -> jax.Array:
   """Writes `rows` [B, H, ...] (buf's shape without `axis`) at position index[b] of `axis` of
   sequence b: buf[b, :, index[b]] = rows[b] for axis 2; index clamped to the axis' size - 1.
   `buf` is a storage array (`to_storage`); `rows` are converted to its storage.
@@ -275,7 +275,7 @@ def append(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
   ok = cache.length < c
   slot = jnp.minimum(cache.length, c - 1)  # full: the newest token takes the last slot
   kn, vn = k_new[:, :, 0], v_new[:, :, 0]  # [B, Hkv, D]
-  k_raw = _write_rows(cache.k_raw, kn, slot)
+  k_raw = write_rows(cache.k_raw, kn, slot)
   bounds_raw = cache.bounds_raw
   if cs > 0:
     # The chunk's min / max recomputed from its (at most chunk_size) rows of the updated keys:
@@ -291,10 +291,10 @@ def append(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
     col = jnp.min(jnp.where(in_chunk, rows, big), axis=2)
     if cs > 1:  # chunk_size 1 keeps one copy (module doc)
       col = jnp.concatenate([col, jnp.max(jnp.where(in_chunk, rows, -big), axis=2)], axis=-1)
-    bounds_raw = _write_rows(bounds_raw, col, ci, axis=3)  # column ci of [B, Hkv, 2D | D, NC]
+    bounds_raw = write_rows(bounds_raw, col, ci, axis=3)  # column ci of [B, Hkv, 2D | D, NC]
   seen = jnp.broadcast_to(cache.seen[:, None], cache.pos.shape[:2])
-  return cache.replace(k_raw=k_raw, v_raw=_write_rows(cache.v_raw, vn, slot),
-                       bounds_raw=bounds_raw, pos=_write_rows(cache.pos, seen, slot),
+  return cache.replace(k_raw=k_raw, v_raw=write_rows(cache.v_raw, vn, slot),
+                       bounds_raw=bounds_raw, pos=write_rows(cache.pos, seen, slot),
                        length=cache.length + ok.astype(jnp.int32), seen=cache.seen + 1,
                        overflow=cache.overflow | ~ok)
 

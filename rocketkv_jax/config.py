@@ -16,7 +16,8 @@ from rocketkv_jax._checks import require, require_int
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.evict import WINDOW_REDUCE
 from rocketkv_jax.methods import METHODS, STAGE2
-from rocketkv_jax.stage2_quant import CAPACITY as QUANT_CAPACITY
+from rocketkv_jax.methods import stage2 as stage2_lib
+from rocketkv_jax.methods.stage2 import Stage2
 
 __all__ = ["METHODS", "Plan", "RocketConfig", "STAGE2", "WINDOW_REDUCE", "check_num_layers",
            "plan"]
@@ -40,23 +41,15 @@ class RocketConfig:
       A fixed `alpha` reproduces the paper's ablations.
     page_size: Quest page size (tokens per min/max summary).
     sink_size: StreamingLLM attention-sink tokens.
-    stage2: the stage-2 scorer, one of `STAGE2`, for the methods that have variants of it
-      (`Method.stage2_variants`: rocketkv, rocketkv_mt): "minmax" (the paper: chunk min/max
-      bounds), "rerank" (chunk bounds pick `rerank_factor * top_k` candidate slots, per-token
-      scores on the same r dims keep `top_k`; stage2_rerank.py), "lowrank" (page-local
-      rank-`lowrank_rank` key summaries over pages of `lowrank_page_size` slots, per-token
-      scores; stage2_lowrank.py), "quant" (per-token `quant_bits`-bit key codes on per-channel
-      grids, scored on the same r dims; stage2_quant.py).
-    rerank_factor: candidates per selected slot for "rerank" (>= 1).
-    lowrank_page_size, lowrank_rank: page size P and rank R for "lowrank" (R <= P, R <= D).
-    quant_bits: bits per key code for "quant", one of 1, 2, 4, 8.
-    quant_capacity: the capacity of "quant": "paper" (the paper's split) or "equal_read" (stage 1
-      keeps as many slots as make the codes' read per step equal the paper's bounds' read at
-      this budget, `stage2_quant.equal_read_capacity`; the same top_k and r).
-    mean_value: "quant" only: SparQ's mean-value fill. Each step's output is `alpha *
-      attention over top_k + (1 - alpha) * mean value of the kept slots`, alpha the mass the
-      codes' softmax puts on the slots read (stage2_quant.py). False (the paper): the top_k
-      rows are renormalised as if the unread slots had no weight.
+    stage2: the stage-2 variant, a `Stage2` object from rocketkv_jax/methods/stage2/ (its own
+      settings are its fields), or a name of `STAGE2` for that variant with its defaults
+      (stored as the object). For the methods that have variants (`Method.stage2_variants`:
+      rocketkv, rocketkv_mt): `MinMax()` (the paper: chunk min/max bounds), `Rerank(factor)`
+      (the bounds shortlist `factor * top_k` slots, per-token scores on the same r dims keep
+      `top_k`), `LowRank(page_size, rank)` (page-local low-rank key summaries, per-token
+      scores), `Quant(bits, capacity, mean_value)` (per-token low-bit key codes on per-channel
+      grids, scored on the same r dims). Their defaults keep the bytes read per step <= 1.2x
+      minmax at 32K / B=256 / D=128 (benchmarks/decode_attention.py).
     skip_layers: the first `skip_layers` layers keep their whole cache (no stage-1 eviction) and
       attend densely at every decode step, for the methods that accept it
       (`Method.accepts_skip_layers`: rocketkv, rocketkv_mt; others reject a value other than 0).
@@ -78,16 +71,7 @@ class RocketConfig:
   r: int | None = None
   page_size: int = 16
   sink_size: int = 4
-  stage2: str = "minmax"
-  # Defaults keep the bytes read per step <= 1.2x minmax at 32K / B=256 / D=128 (counted in
-  # benchmarks/decode_attention.py): rerank 1.13x, lowrank 1.10x, quant 0.88x (README,
-  # "Stage-2 variants"); quant_bits=4 is the calibration's pick (results/README).
-  rerank_factor: float = 1.5
-  lowrank_page_size: int = 128
-  lowrank_rank: int = 8
-  quant_bits: int = 4
-  quant_capacity: str = "paper"
-  mean_value: bool = False
+  stage2: Stage2 | str = "minmax"
   skip_layers: int = 0
 
   def __post_init__(self):
@@ -98,23 +82,12 @@ class RocketConfig:
     require(self.kernel_size % 2 == 1, f"kernel_size must be odd, got {self.kernel_size}")
     require(self.window_reduce in WINDOW_REDUCE, f"window_reduce must be one of "
             f"{list(WINDOW_REDUCE)}, got {self.window_reduce!r}")
-    require(self.stage2 in STAGE2, f"stage2 must be one of {list(STAGE2)}, got {self.stage2!r}")
-    require(self.stage2 in method.stage2_variants,
-            f"stage2={self.stage2!r} needs method in "
-            f"{sorted(n for n, m in methods.REGISTRY.items() if self.stage2 in m.stage2_variants)}"
+    # A name becomes its variant object: configs are equal whichever way they were asked for.
+    object.__setattr__(self, "stage2", stage2_lib.get(self.stage2))
+    s2 = self.stage2.name
+    require(s2 in method.stage2_variants, f"stage2={s2!r} needs method in "
+            f"{sorted(n for n, m in methods.REGISTRY.items() if s2 in m.stage2_variants)}"
             f", got {self.method!r}")
-    require(self.quant_capacity in QUANT_CAPACITY, f"quant_capacity must be one of "
-            f"{list(QUANT_CAPACITY)}, got {self.quant_capacity!r}")
-    if self.quant_capacity == "equal_read":  # every method: only "quant" has codes to pay with
-      require(self.stage2 == "quant",
-              f"quant_capacity='equal_read' needs stage2='quant', got {self.stage2!r}")
-      require(self.capacity is None and self.prompt_budget is None,
-              "quant_capacity='equal_read' sets the capacity: leave capacity and "
-              "prompt_budget unset")
-    require(isinstance(self.mean_value, bool),
-            f"mean_value must be True or False, got {self.mean_value!r}")
-    require(not self.mean_value or self.stage2 == "quant",
-            f"mean_value=True needs stage2='quant', got {self.stage2!r}")
     require_int("skip_layers", self.skip_layers, 0)
     require(self.skip_layers == 0 or method.accepts_skip_layers,
             f"skip_layers={self.skip_layers} needs method in "
@@ -144,6 +117,7 @@ def plan(config: RocketConfig, prompt_len: int, max_new_tokens: int, head_dim: i
   require(config.r is None or config.r <= head_dim,
           f"r must be in [1, head_dim={head_dim}], got {config.r}")
   split = methods.get(config.method).split(config, prompt_len, max_new_tokens, head_dim)
+  split.setdefault("stage2", config.stage2)  # MinMax() for the methods without variants
   if config.capacity is not None:
     split["capacity"] = config.capacity
   kept = min(split["prompt_budget"], prompt_len)

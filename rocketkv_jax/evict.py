@@ -115,13 +115,9 @@ def evict(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
   if pb >= l:  # every sequence fits: nothing to score
     pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, hkv, l))
     return from_kept(k, v, pos, lengths, lengths, plan.capacity, plan.chunk_size)
-  def pallas(interpret):
-    from rocketkv_jax import kernels  # imported on first use (Pallas is a heavy import)
-    return kernels.window_scores(q_window, k, lengths, reduce=plan.window_reduce,
-                                 interpret=interpret)
-
   xla = lambda: window_scores_xla(q_window, k, lengths, plan.window_reduce)  # noqa: E731
-  scores = _impl.dispatch(impl, xla, pallas)
+  scores = _impl.dispatch(impl, xla, "window_scores", q_window, k, lengths,
+                          reduce=plan.window_reduce)
   pri = pooled_candidate_scores(scores, lengths, w, plan.kernel_size)
   kpos = jnp.arange(l)[None, None, :]
   keep_all = (lengths <= pb)[:, None, None]

@@ -1,7 +1,7 @@
 """RocketKV's decode-time select + attend, fused on a GPU.
 
-`select_attend(q, cache, plan)` = `attend(q, cache, approx_select(q, cache, plan))` (the paper's
-stage 2); `quant_attend(q, state, plan)` = `stage2_quant.decode_attend` (stage2="quant"). Under
+`select_attend(q, cache, plan)` = `MinMax.select` then `attend` (the paper's stage 2);
+`quant_attend(q, state, plan)` = `methods/stage2/quant.decode_attend` (stage2="quant"). Under
 `impl="auto"` on CUDA and `impl="pallas"` it runs the two kernels of
 `kernels/fused_decode.py` (chunk scores; selection + attention) instead of the chain of small
 ops around the two unfused kernels; `impl="xla"` and every other platform under "auto" run the
@@ -29,14 +29,14 @@ def select_attend(q: jax.Array, cache: KVCache, plan, *, sliding_window: int | N
   """Attention of `q [B, Hq, D]` over the `plan.top_k` slots of `cache` (already holding the
   query's token) that RocketKV's approximate chunk scores pick. Returns [B, Hq, D] in q's
   dtype."""
-  from rocketkv_jax.methods.sparq import approx_select  # methods import this module
+  from rocketkv_jax.methods.stage2.minmax import MinMax  # MinMax.attend calls this module
 
   check_query(q, cache)
   check_chunks(cache, plan.chunk_size)
   _impl.check(impl)
 
   def chain(which):
-    idx = approx_select(q, cache, plan, sliding_window=sliding_window, impl=which)
+    idx = MinMax().select(q, cache, plan, sliding_window=sliding_window, impl=which)
     return attend(q, cache, idx, sliding_window=sliding_window, impl=which)
 
   if impl == "xla" or sliding_window is not None or not _fusable(cache.k.shape[-1]):
@@ -53,17 +53,17 @@ def select_attend(q: jax.Array, cache: KVCache, plan, *, sliding_window: int | N
 
 def quant_attend(q: jax.Array, state, plan, *, sliding_window: int | None = None,
                  impl: str = "auto") -> jax.Array:
-  """`stage2_quant.decode_attend(q, state, plan)` (state: the `QuantState` after the step's
-  append), as two kernels where `impl` and the state allow. Returns [B, Hq, D] in q's dtype."""
-  from rocketkv_jax import stage2_quant
+  """`quant.decode_attend(q, state, plan)` (state: the `QuantState` after the step's append), as
+  two kernels where `impl` and the state allow. Returns [B, Hq, D] in q's dtype."""
+  from rocketkv_jax.methods.stage2 import quant  # Quant.attend calls this module
 
   _impl.check(impl)
 
   def chain(which):
-    return stage2_quant.decode_attend(q, state, plan, sliding_window=sliding_window, impl=which)
+    return quant.decode_attend(q, state, plan, sliding_window=sliding_window, impl=which)
 
   cache = state.cache
-  if (impl == "xla" or sliding_window is not None or plan.mean_value
+  if (impl == "xla" or sliding_window is not None or plan.stage2.mean_value
       or not _fusable(cache.k.shape[-1])):
     return chain(impl)
   check_query(q, cache)

@@ -17,6 +17,8 @@ model_args (lm-eval's `key=value,key=value`; model_args win over the CLI's --bat
                rocketkv / 256).
   <field>      every `rocketkv.RocketConfig` field by name (window_size=, top_k=, ...), typed
                from the dataclass, so fields added later are accepted without changes here.
+               stage2= takes a variant's name; its own fields take their spec keys
+               (stage2=quant,quant_bits=2,quant_capacity=equal_read; `eval.variants`).
   dtype        float32 (default) | bfloat16.
   batch_size   requests per compiled batch (default 1; "auto" means 1).
   max_length   tokens of context + generation at most (default: the model's context); longer
@@ -80,6 +82,7 @@ except ModuleNotFoundError as e:  # the optional extra is missing: one line, not
 
 import rocketkv_jax as rocketkv
 from rocketkv_jax import methods
+from rocketkv_jax.methods import stage2 as stage2_lib
 from rocketkv_jax.models import llama
 
 logger = logging.getLogger(__name__)
@@ -151,8 +154,9 @@ class RocketKVLM(TemplateLM):
                **kwargs):
     super().__init__()
     fields = rocket_config_fields()
+    s2_keys = stage2_lib.spec_keys()  # a variant's own fields: quant_bits=2 -> Quant(bits=2)
     own = dict(_OWN_ARGS)
-    rocket = {}
+    rocket, variant = {}, {}
     unknown = []
     for name, value in kwargs.items():
       if name in _IGNORED_ARGS:
@@ -161,13 +165,18 @@ class RocketKVLM(TemplateLM):
         own[name] = value
       elif name in fields and name not in ("method", "token_budget"):
         rocket[name] = _coerce(name, value, fields[name])
+      elif name in s2_keys:
+        cls, field = s2_keys[name]
+        variant[name] = _coerce(name, value, typing.get_type_hints(cls)[field])
       else:
         unknown.append(name)
     if unknown:
-      valid = sorted(set(_OWN_ARGS) | set(fields))
+      valid = sorted(set(_OWN_ARGS) | set(fields) | set(s2_keys))
       raise ValueError(f"unknown model_args {sorted(unknown)}; valid: {', '.join(valid)}")
     if method not in rocketkv.METHODS:
       raise ValueError(f"method must be one of {tuple(rocketkv.METHODS)}, got {method!r}")
+    if variant:
+      rocket["stage2"] = stage2_lib.from_spec(rocket.get("stage2", "minmax"), variant)
     self.method = method
     self.token_budget = _coerce("token_budget", token_budget, int)
     self.rocket_config = rocketkv.RocketConfig(token_budget=self.token_budget, method=method,

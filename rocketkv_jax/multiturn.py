@@ -16,7 +16,6 @@ from rocketkv_jax._checks import require
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, extend, grow
 from rocketkv_jax.evict import evict
-from rocketkv_jax.stage2_state import attach
 
 
 @struct.dataclass
@@ -55,4 +54,4 @@ def begin_turn(state: MTState, k_turn: jax.Array, v_turn: jax.Array, q_window: j
     return MTState(full=full, view=None)
   view = evict(full.k, full.v, q_window, plan, lengths=full.length, impl=impl)
   # evict() numbers slots by their index in `full`, which is the absolute position there.
-  return MTState(full=full, view=attach(view.replace(seen=full.seen), plan))
+  return MTState(full=full, view=plan.stage2.prefill(view.replace(seen=full.seen), plan))

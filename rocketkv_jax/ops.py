@@ -1,7 +1,10 @@
 """Small array rules shared by the core, the methods and the kernels, each written once.
 
 - `group_queries`: GQA regrouping of query heads under their KV head.
-- `masked_softmax`: softmax over the last axis where a mask holds, 0 elsewhere.
+- `masked_softmax`: softmax over the last axis where a mask holds, 0 elsewhere: the one masking
+  rule of every softmax over keys, slots or chunks (masked entries -inf, empty rows all 0).
+- `group_sum`, `group_softmax_sum`, `chunk_valid`: stage 2's per-KV-head score, the softmax of
+  each query head of the group summed over the group (the XLA path and the kernels' epilogue).
 - `gather_rows`: the rows of `[B, H, L, D]` named by per-head indices (stage 1's kept tokens,
   stage 2's selected slots).
 - `sink_recent_indices`: StreamingLLM's sink + most recent positions.
@@ -12,6 +15,8 @@
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +36,25 @@ def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
   mx = jnp.max(logits, axis=-1, keepdims=True)
   p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
   return p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+
+
+def group_sum(p: jax.Array) -> jax.Array:
+  """[B, Hkv, G, N] -> [B, Hkv, N], the sum over the group.
+
+  As G elementwise adds (one loop fusion): XLA:CPU hands a reduce over this short axis to a
+  library call that costs more than all of the rest of the softmax."""
+  return functools.reduce(jnp.add, [p[:, :, i] for i in range(p.shape[2])])
+
+
+def group_softmax_sum(logits: jax.Array, ok: jax.Array) -> jax.Array:
+  """[B, Hkv, G, N] logits, ok [B, Hkv | 1, N] -> [B, Hkv, N]: softmax over the `ok` entries
+  per query head, summed over the group."""
+  return group_sum(masked_softmax(logits, ok[:, :, None, :]))
+
+
+def chunk_valid(length: jax.Array, num_chunks: int, chunk_size: int) -> jax.Array:
+  """[B, 1, NC] bool: the chunk holds at least one of the `length [B]` valid slots."""
+  return (jnp.arange(num_chunks) * chunk_size < length[:, None])[:, None, :]
 
 
 def gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:

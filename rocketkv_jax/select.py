@@ -14,8 +14,6 @@ This module holds the scoring and top-k building blocks; each method's `select`
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -23,26 +21,8 @@ from jax import lax
 from rocketkv_jax import _impl
 from rocketkv_jax._checks import group_size, require, require_rank
 from rocketkv_jax.cache import KVCache, bounds_of, two_sided, valid_slots
-from rocketkv_jax.ops import (bound_rows_and_query, group_queries, masked_softmax,
-                              sink_recent_indices)
-
-
-def _chunk_valid(length: jax.Array, num_chunks: int, chunk_size: int) -> jax.Array:
-  """[B, 1, NC] bool: chunk holds at least one valid slot."""
-  return (jnp.arange(num_chunks) * chunk_size < length[:, None])[:, None, :]
-
-
-def _group_softmax_sum(logits: jax.Array, chunk_ok: jax.Array) -> jax.Array:
-  """[B, Hkv, G, NC] logits -> [B, Hkv, NC] softmax over chunks, summed over the group."""
-  return group_sum(masked_softmax(logits, chunk_ok[:, :, None, :]))
-
-
-def group_sum(p: jax.Array) -> jax.Array:
-  """[B, Hkv, G, N] -> [B, Hkv, N], the sum over the group.
-
-  As G elementwise adds (one loop fusion): XLA:CPU hands a reduce over this short axis to a
-  library call that costs more than all of the rest of the softmax."""
-  return functools.reduce(jnp.add, [p[:, :, i] for i in range(p.shape[2])])
+from rocketkv_jax.ops import (bound_rows_and_query, chunk_valid, group_queries,
+                              group_softmax_sum, sink_recent_indices)
 
 
 def approx_bounds_scores_xla(q: jax.Array, bounds: jax.Array, length: jax.Array,
@@ -70,7 +50,7 @@ def approx_bounds_scores_xla(q: jax.Array, bounds: jax.Array, length: jax.Array,
   # -> f32 kernel for every dot shape.
   k_r = jnp.take_along_axis(bounds, rows[..., None], axis=2).astype(jnp.float32)  # [B,Hkv,r,NC]
   logits = jnp.einsum("bhgr,bhrc->bhgc", q_r, k_r)
-  return _group_softmax_sum(logits, _chunk_valid(length, nc, chunk_size))
+  return group_softmax_sum(logits, chunk_valid(length, nc, chunk_size))
 
 
 def approx_chunk_scores_xla(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: jax.Array,
@@ -102,7 +82,7 @@ def quest_bounds_scores_xla(q: jax.Array, bounds: jax.Array, length: jax.Array,
   q2 = (jnp.concatenate([jnp.minimum(qg, 0.0), jnp.maximum(qg, 0.0)], axis=-1)  # [.., G, 2D]
         if two_sided(bounds, d) else qg)
   logits = jnp.einsum("bhgd,bhdc->bhgc", q2, bounds.astype(jnp.float32))
-  return _group_softmax_sum(logits, _chunk_valid(length, nc, chunk_size))
+  return group_softmax_sum(logits, chunk_valid(length, nc, chunk_size))
 
 
 def quest_chunk_scores_xla(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: jax.Array,
@@ -120,7 +100,7 @@ def exact_slot_scores_xla(q: jax.Array, k: jax.Array, valid: jax.Array) -> jax.A
   qg = group_queries(q, k.shape[1])
   logits = jnp.einsum("bhgd,bhcd->bhgc", qg, k, preferred_element_type=jnp.float32)
   logits = logits / jnp.sqrt(jnp.float32(d))
-  return _group_softmax_sum(logits, valid)
+  return group_softmax_sum(logits, valid)
 
 
 def top_slots(chunk_scores: jax.Array, valid: jax.Array, chunk_size: int, k: int) -> jax.Array:
@@ -211,14 +191,9 @@ def check_chunks(cache: KVCache, chunk_size: int) -> None:
 
 def approx_scores(q: jax.Array, cache: KVCache, r: int, *, impl: str = "auto") -> jax.Array:
   """RocketKV / SparQ chunk scores `[B, Hkv, NC]` of the cache's summaries (kernel or XLA)."""
-  def pallas(interpret):
-    from rocketkv_jax import kernels  # imported on first use (Pallas is a heavy import)
-    return kernels.approx_bounds_scores(q, cache.bounds, cache.length,
-                                        chunk_size=cache.chunk_size, r=r, interpret=interpret)
-
   return _impl.dispatch(
       impl, lambda: approx_bounds_scores_xla(q, cache.bounds, cache.length, cache.chunk_size, r),
-      pallas)
+      "approx_bounds_scores", q, cache.bounds, cache.length, chunk_size=cache.chunk_size, r=r)
 
 
 def top_chunk_slots(chunk_scores: jax.Array, cache: KVCache, k: int,

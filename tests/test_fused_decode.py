@@ -118,11 +118,11 @@ def test_bad_inputs_raise():
 def test_fused_quant_equals_xla(bits, dtype):
   """stage2="quant": the slots' scores from their codes (kernel 1 for codes), kernel 2 with
   chunks of one slot; the same slots as `select_quant` (lax.top_k over the slots) and output."""
-  from rocketkv_jax import stage2_quant
+  from rocketkv_jax.methods.stage2 import quant as stage2_quant
   b, hq, hkv, d, prompt = 2, 8, 2, 32, 96
   rng = np.random.default_rng(5)
-  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=32, window_size=4, stage2="quant",
-                                             quant_bits=bits, quant_capacity="equal_read",
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=32, window_size=4, stage2=rocketkv.Quant(
+                                                 bits=bits, capacity="equal_read"),
                                              window_reduce="max"), prompt, 4, d)
   k, v = (jnp.asarray(rng.standard_normal((b, hkv, prompt, d)), dtype) for _ in range(2))
   qw = jnp.asarray(rng.standard_normal((b, hq, 4, d)), dtype)

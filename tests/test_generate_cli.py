@@ -143,7 +143,7 @@ def test_small_heads_note_names_the_recommended_spec(monkeypatch):
                            (script.SMALL_HEADS_SPEC, 64), ("rocketkv:stage2=rerank", 64)]:
     assert script.small_heads_note(cfg(method), head_dim) is None, (method, head_dim)
   assert cfg(script.SMALL_HEADS_SPEC) == rocketkv.RocketConfig(
-      token_budget=256, method="rocketkv", stage2="quant", quant_capacity="equal_read",
+      token_budget=256, method="rocketkv", stage2=rocketkv.Quant(capacity="equal_read"),
       window_reduce="max")
 
 
@@ -171,8 +171,7 @@ def test_a_variant_spec_reaches_generate(method, compare, note, monkeypatch, cap
   assert job.methods == want
   assert job.configs == [variants.rocket_config(m, 128) for m in want]
   assert job.configs[0].method == "rocketkv" and job.configs[0].token_budget == 128
-  assert job.configs[0].stage2 == ("quant" if compare else "minmax")
-  assert job.configs[0].quant_bits == (8 if compare else 4)
+  assert job.configs[0].stage2 == (rocketkv.Quant(bits=8) if compare else rocketkv.MinMax())
 
   seen = []
 

@@ -26,8 +26,8 @@ from rocketkv_jax.attend import sparse_attention_xla as _sparse_xla
 from rocketkv_jax.cache import chunk_summaries
 from rocketkv_jax.evict import window_scores_xla as _window_xla
 from rocketkv_jax.select import approx_chunk_scores_xla as _approx_xla
-from rocketkv_jax.stage2_quant import build as quant_build
-from rocketkv_jax.stage2_quant import slot_logits_xla
+from rocketkv_jax.methods.stage2.quant import build as quant_build
+from rocketkv_jax.methods.stage2.quant import slot_logits_xla
 
 # Module-scope jitted references: one compilation per shape instead of op-by-op dispatch.
 sparse_attention_xla = jax.jit(_sparse_xla)
@@ -173,9 +173,9 @@ QUANT_CASES = [
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _quant_state(k, length, bits, capacity):
-  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, window_size=1, stage2="quant",
-                                             quant_bits=bits, capacity=capacity), capacity, 0,
-                       k.shape[-1])
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, window_size=1,
+                                             stage2=rocketkv.Quant(bits=bits), capacity=capacity),
+                       capacity, 0, k.shape[-1])
   return quant_build(rocketkv.full_cache(k, k, capacity, 0, length), plan)
 
 

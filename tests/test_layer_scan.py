@@ -110,7 +110,7 @@ def _write_layers(k, counts, slots, rows, hook: bool):
     kl, cl = state
     if not hook:
       kl = kl + 0  # a new array: `write_rows` no longer sees a view
-    kl = cache_lib._write_rows(kl, rows[i], slots[i])
+    kl = cache_lib.write_rows(kl, rows[i], slots[i])
     return acc + kl[:, :, 0].sum(), (kl, cl + 1)
 
   acc, (k, counts) = layer_scan.scan_layers(fn, jnp.float32(0), (k, counts),

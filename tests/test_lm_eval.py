@@ -173,6 +173,14 @@ def test_model_args_parse_rocket_config_fields_and_reject_unknown_names():
     assert name in str(err.value)
   with pytest.raises(ValueError, match="method must be one of"):
     _lm(method="nope")
+  # A stage-2 variant's fields by their spec keys, as in the eval specs (eval.variants).
+  lm = backend.RocketKVLM.create_from_arg_obj(
+      dict(pretrained=tiny_model(), token_budget="64", stage2="quant", quant_bits="2",
+           quant_capacity="equal_read", mean_value="true"), {})
+  assert lm.rocket_config.stage2 == rocketkv.Quant(bits=2, capacity="equal_read",
+                                                   mean_value=True)
+  with pytest.raises(ValueError, match="quant_bits=2 needs stage2='quant', got 'rerank'"):
+    _lm(stage2="rerank", quant_bits=2)
   with pytest.raises(ValueError, match="loglikelihood_rolling needs method='full'"):
     _lm(**GEN).loglikelihood_rolling([_req("loglikelihood_rolling", ("abc",))])
 

@@ -7,6 +7,8 @@ slots per head, with no slot twice; a method's dense layers attend densely (floa
 reference); bad configs are rejected before tracing.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ import pytest
 
 import rocketkv_jax as rocketkv
 from rocketkv_jax import methods
+from method_specs import stage2_of
 
 NAMES = sorted(methods.REGISTRY)
 # Each registered method, plus the variants of a method's stage 2 (`Method.stage2_variants`)
@@ -27,7 +30,7 @@ LENGTHS = np.array([48, 29], np.int32)
 def _config(spec, **kw):
   name, _, stage2 = spec.partition(":")
   kw = dict(dict(token_budget=BUDGET, window_size=4, page_size=4, sink_size=2,
-                 stage2=stage2 or "minmax", lowrank_page_size=8, lowrank_rank=3), **kw)
+                 stage2=stage2_of(stage2)), **kw)
   return rocketkv.RocketConfig(method=name, **kw)
 
 
@@ -138,6 +141,39 @@ def test_bad_config_is_rejected(name):
     _config(name, token_budget=0)
   with pytest.raises(ValueError, match="capacity must be >="):
     rocketkv.plan(_config(name, capacity=2), L, NEW, D)
+
+
+def test_a_new_stage2_variant_is_one_class_and_one_registry_line():
+  """A variant written here (exact per-slot scores: exact_topk's read over stage 1's cache),
+  registered, passes the contract tests above as "rocketkv:<name>" and selects exactly what
+  exact_topk selects from the same cache."""
+  from rocketkv_jax.cache import valid_slots
+  from rocketkv_jax.methods import stage2
+  from rocketkv_jax.select import exact_slot_scores_xla, top_slots
+
+  @dataclasses.dataclass(frozen=True)
+  class ExactScores(stage2.Stage2):
+    name = "exact_scores_test"
+
+    def select(self, q, state, plan, *, sliding_window=None, impl="auto"):
+      valid = valid_slots(state, sliding_window)
+      k = min(plan.top_k, state.capacity)
+      return top_slots(exact_slot_scores_xla(q, state.k, valid), valid, 1, k)
+
+  stage2.register(ExactScores)
+  try:
+    spec = "rocketkv:exact_scores_test"
+    assert spec.partition(":")[2] in methods.get("rocketkv").stage2_variants
+    test_ragged_batch_equals_each_row_alone_and_compiles_once(spec)
+    test_selection_respects_the_budget(spec)
+    test_dense_layers_attend_to_every_slot(spec)
+    _, _, state, plan = _decode(spec, [0, 1])
+    q = jnp.asarray(np.random.default_rng(4).standard_normal((B, HKV * G, D)), jnp.float32)
+    got = rocketkv.select(q, state, plan)
+    want = methods.get("exact_topk").select(q, state, plan)
+    np.testing.assert_array_equal(np.sort(np.asarray(got)), np.sort(np.asarray(want)))
+  finally:
+    del stage2.REGISTRY["exact_scores_test"]
 
 
 def test_unknown_method_and_registry():

@@ -67,7 +67,7 @@ def test_snapkv_reads_kept_tokens(params):
 def test_rocketkv_reads_bounds_on_r_dims_and_top_k_rows(params):
   plan, acc = _acc(params, "rocketkv", 1000, 2)
   c, cs, r, k = plan.capacity, plan.chunk_size, plan.r, plan.top_k
-  assert (k, plan.stage2) == (32, "minmax") and cs > 1 and r < 16  # a split with summaries
+  assert (k, plan.stage2.name) == (32, "minmax") and cs > 1 and r < 16  # a split with summaries
   nc = math.ceil(c / cs)
   per_head = 2 * r * nc * 4 + 2 * k * 16 * 4  # min and max on r dims, then K and V rows
   assert acc["kv_bytes"] == 2 * 2 * 2 * per_head  # batch x layers x KV heads
@@ -91,9 +91,8 @@ def test_quant_reads_codes_steps_and_top_k_rows(params):
 
 
 def test_quant_bits_accessor_reads_a_strategy_object():
-  plan = types.SimpleNamespace(stage2=types.SimpleNamespace(bits=2), quant_bits=0)
-  assert roofline.quant_bits(plan) == 2
-  assert roofline.quant_bits(types.SimpleNamespace(stage2="minmax", quant_bits=0)) == 0
+  assert roofline.quant_bits(types.SimpleNamespace(stage2=rocketkv.Quant(bits=2))) == 2
+  assert roofline.quant_bits(types.SimpleNamespace(stage2=rocketkv.MinMax())) == 0
 
 
 def test_uncounted_stage2_is_an_error():

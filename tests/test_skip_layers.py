@@ -22,6 +22,7 @@ from rocketkv_jax.eval.runner import Runner
 from rocketkv_jax.models import api, llama
 from rocketkv_jax.models.config import ModelConfig
 from rocketkv_jax.multiturn import MTState
+from method_specs import stage2_of
 
 B, HKV, G, D, L, NEW, BUDGET, SKIP = 2, 2, 2, 16, 48, 4, 16, 2
 LENGTHS = np.array([48, 29], np.int32)
@@ -31,8 +32,7 @@ T, TURN_LENGTHS = 6, np.array([6, 4], np.int32)  # a later turn's prompt (right-
 def _config(spec, skip_layers):
   name, _, stage2 = spec.partition(":")
   return rocketkv.RocketConfig(token_budget=BUDGET, method=name, window_size=4,
-                               stage2=stage2 or "minmax", lowrank_page_size=8, lowrank_rank=3,
-                               skip_layers=skip_layers)
+                               stage2=stage2_of(stage2), skip_layers=skip_layers)
 
 
 def _data(seed):

@@ -1,12 +1,13 @@
 """RocketConfig.stage2 = "rerank" / "lowrank" / "quant" against float64 NumPy references here.
 
-The references follow the definitions (stage2_rerank.py / stage2_lowrank.py / stage2_quant.py
+The references follow the definitions (methods/stage2/rerank.py / lowrank.py / quant.py
 docstrings) loop by
 loop: per-token scores, selected sets on random data (checked exactly where the reference's
 k-th and (k+1)-th scores are well apart, and by score mass always), decode steps end to end,
 ragged batches, sliding windows, and that "minmax" is unchanged.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -17,10 +18,11 @@ import pytest
 import rocketkv_jax as rocketkv
 import reference as ref
 from rocketkv_jax.eval import variants
-from rocketkv_jax.stage2_lowrank import slot_logits_xla
-from rocketkv_jax.stage2_quant import build as quant_build
-from rocketkv_jax.stage2_rerank import candidate_scores_xla
-from rocketkv_jax.stage2_state import attach, state_type
+from rocketkv_jax.methods import stage2 as stage2_lib
+from rocketkv_jax.methods.stage2 import LowRank, MinMax, Quant, Rerank
+from rocketkv_jax.methods.stage2.lowrank import slot_logits_xla
+from rocketkv_jax.methods.stage2.quant import build as quant_build
+from rocketkv_jax.methods.stage2.rerank import candidate_scores_xla
 
 D, HKV, G = 16, 2, 4
 HQ = HKV * G
@@ -178,112 +180,131 @@ def _keys(seed, b, c, lengths):
   return k
 
 
+def _variant(name, **fields):
+  """The variant `name` with the ones of `fields` it has (tests share one set of settings)."""
+  cls = stage2_lib.REGISTRY[name]
+  own = {f.name for f in dataclasses.fields(cls)}
+  return cls(**{k: v for k, v in fields.items() if k in own})
+
+
 # --------------------------------------------------------------------------- config / plan
 def test_stage2_config_plan_and_errors():
   base = rocketkv.plan(rocketkv.RocketConfig(token_budget=64), 1000, 10, 64)
-  assert (base.stage2, base.rerank_candidates, base.lowrank_page_size) == ("minmax", 0, 0)
-  rr = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, stage2="rerank", rerank_factor=1.5),
+  assert base.stage2 == MinMax() and base.stage2.name == "minmax"
+  rr = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, stage2=Rerank(factor=1.5)),
                      1000, 10, 64)
-  assert (rr.stage2, rr.top_k, rr.rerank_candidates) == ("rerank", 32, 48)
+  assert (rr.stage2, rr.top_k, rr.stage2.candidates(rr.top_k)) == (Rerank(1.5), 32, 48)
   assert (rr.capacity, rr.chunk_size, rr.r) == (base.capacity, base.chunk_size, base.r)
-  lr = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, stage2="lowrank", lowrank_rank=4,
-                                           lowrank_page_size=32, method="rocketkv_mt"),
-                     1000, 10, 64)
-  assert (lr.stage2, lr.chunk_size, lr.lowrank_page_size, lr.lowrank_rank) == (
-      "lowrank", 0, 32, 4)
-  qt = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, stage2="quant", quant_bits=2),
-                     1000, 10, 64)
-  assert (qt.stage2, qt.chunk_size, qt.quant_bits) == ("quant", 0, 2)
+  lr = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, stage2=LowRank(page_size=32, rank=4),
+                                           method="rocketkv_mt"), 1000, 10, 64)
+  assert (lr.stage2, lr.chunk_size) == (LowRank(page_size=32, rank=4), 0)
+  qt = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, stage2=Quant(bits=2)), 1000, 10, 64)
+  assert (qt.stage2.name, qt.chunk_size, qt.stage2.bits) == ("quant", 0, 2)
   assert (qt.capacity, qt.top_k, qt.r) == (base.capacity, base.top_k, base.r)
-  assert base.quant_bits == 0
-  mv = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, stage2="quant", mean_value=True),
+  mv = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, stage2=Quant(mean_value=True)),
                      1000, 10, 64)
-  assert mv.mean_value and not qt.mean_value and (mv.capacity, mv.top_k) == (qt.capacity, 32)
-  with pytest.raises(ValueError, match=r"mean_value=True needs stage2='quant', got 'minmax'"):
-    rocketkv.RocketConfig(token_budget=64, mean_value=True)
-  with pytest.raises(ValueError, match=r"mean_value must be True or False, got 1"):
-    rocketkv.RocketConfig(token_budget=64, stage2="quant", mean_value=1)
-  with pytest.raises(ValueError, match=r"quant_bits must be one of \[1, 2, 4, 8\], got 3"):
-    rocketkv.RocketConfig(token_budget=64, stage2="quant", quant_bits=3)
-  with pytest.raises(ValueError,
-                     match=r"stage2 must be one of \['minmax', 'rerank', 'lowrank', 'quant'\]"):
+  assert mv.stage2.mean_value and not qt.stage2.mean_value
+  assert (mv.capacity, mv.top_k) == (qt.capacity, 32)
+  # A name is that variant with its defaults; plans of either spelling are one static argument.
+  assert rocketkv.RocketConfig(token_budget=64, stage2="quant").stage2 == Quant(4, "paper", False)
+  assert rocketkv.plan(rocketkv.RocketConfig(token_budget=64, stage2="rerank"), 1000, 10, 64) \
+      == rocketkv.plan(rocketkv.RocketConfig(token_budget=64, stage2=Rerank()), 1000, 10, 64)
+  assert hash(Quant(bits=2)) == hash(Quant(bits=2)) and Quant(bits=2) != Quant(bits=4)
+  with pytest.raises(ValueError, match=r"Quant.mean_value must be True or False, got 1"):
+    Quant(mean_value=1)
+  with pytest.raises(ValueError, match=r"Quant.bits must be one of \[1, 2, 4, 8\], got 3"):
+    Quant(bits=3)
+  with pytest.raises(ValueError, match=r"stage2 must be one of \['minmax', 'rerank', 'lowrank', "
+                     r"'quant'\] or a Stage2 variant, got 'exact'"):
     rocketkv.RocketConfig(token_budget=64, stage2="exact")
   with pytest.raises(ValueError, match="needs method in"):
-    rocketkv.RocketConfig(token_budget=64, method="quest", stage2="rerank")
-  with pytest.raises(ValueError, match="rerank_factor"):
-    rocketkv.RocketConfig(token_budget=64, stage2="rerank", rerank_factor=0.5)
-  with pytest.raises(ValueError, match="lowrank_rank"):
-    rocketkv.RocketConfig(token_budget=64, stage2="lowrank", lowrank_page_size=8, lowrank_rank=9)
-  with pytest.raises(ValueError, match="lowrank_rank"):
-    rocketkv.plan(rocketkv.RocketConfig(token_budget=64, stage2="lowrank", lowrank_rank=20),
-                  1000, 10, 16)
+    rocketkv.RocketConfig(token_budget=64, method="quest", stage2=Rerank())
+  with pytest.raises(ValueError, match=r"Rerank.factor must be a number >= 1, got 0.5"):
+    Rerank(factor=0.5)
+  with pytest.raises(ValueError, match=r"LowRank.rank must be an int \[1, 8\], got 9"):
+    LowRank(page_size=8, rank=9)
+  with pytest.raises(ValueError, match=r"LowRank.rank must be in \[1, head_dim=16\], got 20"):
+    rocketkv.plan(rocketkv.RocketConfig(token_budget=64, stage2=LowRank(rank=20)), 1000, 10, 16)
 
 
 def test_quant_equal_read_capacity():
-  """`quant_capacity="equal_read"`: the slots whose 4-bit codes on the paper's r dims cost what
+  """`Quant(capacity="equal_read")`: the slots whose 4-bit codes on the paper's r dims cost what
   the paper's 16-bit bounds cost, computed here by hand; stage 1 then keeps a superset."""
   # The paper's 32K example: 1618 slots in ceil(1618 / 3) = 540 chunks, r = 60 (README).
-  cfg = dict(token_budget=256, stage2="quant")
-  paper = rocketkv.plan(rocketkv.RocketConfig(**cfg), 32668, 100, 128)
-  eq = rocketkv.plan(rocketkv.RocketConfig(**cfg, quant_capacity="equal_read"), 32668, 100, 128)
+  cfg = dict(token_budget=256)
+  eq_read = Quant(capacity="equal_read")
+  paper = rocketkv.plan(rocketkv.RocketConfig(**cfg, stage2=Quant()), 32668, 100, 128)
+  eq = rocketkv.plan(rocketkv.RocketConfig(**cfg, stage2=eq_read), 32668, 100, 128)
   assert (paper.capacity, paper.r) == (1618, 60)
   bound_bits = 540 * 60 * 16  # one bound per dim per chunk
   code_bits = lambda c: 60 * c * 4 + 60 * 32  # codes + fp32 grid steps
   assert code_bits(2152) <= bound_bits < code_bits(2152 + 2)  # whole bytes: 2 slots per byte
   assert (eq.capacity, eq.prompt_budget, eq.r, eq.top_k) == (2152, 2052, 60, 128)
   # 8 bits cost more than the bounds: the paper's capacity (never fewer slots).
-  eq8 = rocketkv.plan(rocketkv.RocketConfig(**cfg, quant_bits=8, quant_capacity="equal_read"),
+  eq8 = rocketkv.plan(rocketkv.RocketConfig(**cfg, stage2=Quant(bits=8, capacity="equal_read")),
                       32668, 100, 128)
   assert eq8.capacity == 1618
   # A prompt that fits is kept whole either way; the capacity never exceeds T.
-  short = rocketkv.plan(rocketkv.RocketConfig(**cfg, quant_capacity="equal_read"), 200, 10, 64)
+  short = rocketkv.plan(rocketkv.RocketConfig(**cfg, stage2=eq_read), 200, 10, 64)
   assert (short.capacity, short.prompt_budget) == (210, 200)
-  near = rocketkv.plan(rocketkv.RocketConfig(**cfg, quant_capacity="equal_read"), 2048, 24, 64)
+  near = rocketkv.plan(rocketkv.RocketConfig(**cfg, stage2=eq_read), 2048, 24, 64)
   assert near.capacity <= 2048 + 24 and near.prompt_budget <= 2048
   # Stage 1's top-k is nested: the larger budget keeps every token the paper keeps.
   rng = np.random.default_rng(0)
   k, v = (jnp.asarray(rng.standard_normal((1, HKV, 600, D)), jnp.float32) for _ in range(2))
   qw = jnp.asarray(rng.standard_normal((1, HQ, 8, D)), jnp.float32)
-  kw = dict(token_budget=64, stage2="quant", window_size=8, kernel_size=3)
-  plans = [rocketkv.plan(rocketkv.RocketConfig(**kw, quant_capacity=c), 600, 8, D)
+  kw = dict(token_budget=64, window_size=8, kernel_size=3)
+  plans = [rocketkv.plan(rocketkv.RocketConfig(**kw, stage2=Quant(capacity=c)), 600, 8, D)
            for c in ("paper", "equal_read")]
   assert plans[1].prompt_budget > plans[0].prompt_budget
   kept = [np.asarray(rocketkv.evict(k, v, qw, p).pos)[0, :, :p.prompt_budget] for p in plans]
   for h in range(HKV):
     assert set(kept[0][h]) < set(kept[1][h])
-  with pytest.raises(ValueError, match=r"quant_capacity must be one of \['paper', "
+  with pytest.raises(ValueError, match=r"Quant.capacity must be one of \['paper', "
                      r"'equal_read'\], got 'more'"):
-    rocketkv.RocketConfig(**cfg, quant_capacity="more")
-  with pytest.raises(ValueError, match="quant_capacity='equal_read' needs stage2='quant'"):
-    rocketkv.RocketConfig(token_budget=256, quant_capacity="equal_read")
+    Quant(capacity="more")
   with pytest.raises(ValueError, match="leave capacity and prompt_budget unset"):
-    rocketkv.RocketConfig(**cfg, quant_capacity="equal_read", capacity=3000)
+    rocketkv.RocketConfig(**cfg, stage2=eq_read, capacity=3000)
 
 
 def test_variant_specs():
+  """The spec syntax of the committed results: a variant's fields as flat `<variant>_<field>`
+  keys (Quant's `mean_value`), turned into the `RocketConfig.stage2` object."""
   assert variants.parse("rocketkv:stage2=rerank,rerank_factor=2") == (
       "rocketkv", {"stage2": "rerank", "rerank_factor": 2.0})
   cfg = variants.rocket_config("rocketkv_mt:stage2=lowrank,lowrank_rank=4", 256)
-  assert (cfg.method, cfg.stage2, cfg.lowrank_rank) == ("rocketkv_mt", "lowrank", 4)
+  assert (cfg.method, cfg.stage2) == ("rocketkv_mt", LowRank(page_size=128, rank=4))
   cfg = variants.rocket_config("rocketkv:stage2=quant,quant_bits=8", 256)
-  assert (cfg.stage2, cfg.quant_bits) == ("quant", 8)
+  assert cfg.stage2 == Quant(bits=8)
   with pytest.raises(ValueError, match="must be one of"):
     variants.parse("rocketkv:stage2=foo")
-  cfg = variants.rocket_config("rocketkv:stage2=quant,quant_capacity=equal_read", 256)
-  assert (cfg.stage2, cfg.quant_capacity) == ("quant", "equal_read")
-  with pytest.raises(ValueError, match=r"quant_capacity='x' in .* must be one of \['paper'"):
+  cfg = variants.rocket_config("rocketkv:stage2=quant,quant_capacity=equal_read,quant_bits=2",
+                               256)
+  assert cfg.stage2 == Quant(bits=2, capacity="equal_read")
+  with pytest.raises(ValueError, match=r"quant_capacity=x.*Quant.capacity must be one of "
+                     r"\['paper'"):
     variants.parse("rocketkv:stage2=quant,quant_capacity=x")
   cfg = variants.rocket_config("rocketkv_mt:stage2=quant,mean_value=1", 256)
-  assert (cfg.method, cfg.mean_value) == ("rocketkv_mt", True)
-  assert not variants.rocket_config("rocketkv:stage2=quant,mean_value=0", 256).mean_value
+  assert (cfg.method, cfg.stage2) == ("rocketkv_mt", Quant(mean_value=True))
+  assert not variants.rocket_config("rocketkv:stage2=quant,mean_value=0", 256).stage2.mean_value
   with pytest.raises(ValueError, match=r"mean_value='2' in .* must be 0 or 1"):
     variants.parse("rocketkv:stage2=quant,mean_value=2")
+  with pytest.raises(ValueError, match=r"quant_bits=2 needs stage2='quant', got 'minmax'"):
+    variants.parse("rocketkv:quant_bits=2")
+  with pytest.raises(ValueError, match=r"mean_value=True needs stage2='quant', got 'rerank'"):
+    variants.parse("rocketkv:stage2=rerank,mean_value=1")
+  # Every spec the committed results name still parses to the variant it meant.
+  assert variants.rocket_config("rocketkv:stage2=rerank,rerank_factor=4", 64).stage2 == Rerank(4)
+  assert variants.rocket_config("rocketkv:stage2=lowrank", 64).stage2 == LowRank()
+  assert variants.rocket_config(
+      "rocketkv:stage2=quant,quant_capacity=equal_read,mean_value=1", 64).stage2 == Quant(
+          capacity="equal_read", mean_value=True)
 
 
 def test_minmax_unchanged():
   """The default stays the paper's: a plain KVCache with min/max summaries, same plan."""
   cfg = rocketkv.RocketConfig(token_budget=64, window_size=8)
-  assert cfg.stage2 == "minmax"
+  assert cfg.stage2 == MinMax()
   k = _keys(0, 2, 120, [120, 90])
   q = np.random.default_rng(1).standard_normal((2, HQ, 8, D)).astype(np.float32)
   plan = rocketkv.plan(cfg, 120, 4, D)
@@ -327,7 +348,7 @@ def test_rerank_select_matches_reference(seed, chunk, top_k, factor):
   k = _keys(seed, 2, c, lengths)
   q = np.random.default_rng(seed + 100).standard_normal((2, HQ, D)).astype(np.float32)
   cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, chunk_size=chunk, r=r,
-                              top_k=top_k, stage2="rerank", rerank_factor=factor)
+                              top_k=top_k, stage2=Rerank(factor=factor))
   plan = rocketkv.plan(cfg, c, 0, D)
   cache = rocketkv.full_cache(jnp.asarray(k), jnp.asarray(k), c, chunk, jnp.asarray(lengths))
   idx = np.asarray(rocketkv.select(jnp.asarray(q), cache, plan))
@@ -359,11 +380,11 @@ def test_rerank_sliding_window():
 # --------------------------------------------------------------------------- lowrank
 def _lowrank_state(k, lengths, page, rank, top_k, new=0):
   c = k.shape[2]
-  cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, top_k=top_k, stage2="lowrank",
-                              lowrank_page_size=page, lowrank_rank=rank, capacity=c)
+  cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, top_k=top_k,
+                              stage2=LowRank(page_size=page, rank=rank), capacity=c)
   plan = rocketkv.plan(cfg, c - new, new, D)
   cache = rocketkv.full_cache(jnp.asarray(k), jnp.asarray(k), c, 0, jnp.asarray(lengths))
-  from rocketkv_jax.stage2_lowrank import build
+  from rocketkv_jax.methods.stage2.lowrank import build
   return build(cache, plan), plan
 
 
@@ -418,8 +439,8 @@ def test_quant_select_matches_reference(seed, bits, top_k, window):
   c, r = 63, 5
   lengths = [63, 45]
   k = _keys(seed + 60, 2, c, lengths)
-  cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, top_k=top_k, r=r, stage2="quant",
-                              quant_bits=bits, capacity=c)
+  cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, top_k=top_k, r=r,
+                              stage2=Quant(bits=bits), capacity=c)
   plan = rocketkv.plan(cfg, c, 0, D)
   cache = rocketkv.full_cache(jnp.asarray(k), jnp.asarray(k), c, 0, jnp.asarray(lengths))
   state = quant_build(cache, plan)
@@ -440,13 +461,13 @@ def test_quant_8_bits_selects_what_exact_r_dim_scores_select():
   k = _keys(80, 2, c, lengths)
   q = np.random.default_rng(81).standard_normal((2, HQ, D)).astype(np.float32)
   picks = {}
-  for s2, extra in (("quant", dict(quant_bits=8)), ("minmax", dict(chunk_size=1))):
-    cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, top_k=8, r=D, stage2=s2,
-                                capacity=c, **extra)
+  for s2, extra in (("quant", dict(stage2=Quant(bits=8))), ("minmax", dict(chunk_size=1))):
+    cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, top_k=8, r=D, capacity=c,
+                                **extra)
     plan = rocketkv.plan(cfg, c, 0, D)
     cache = rocketkv.full_cache(jnp.asarray(k), jnp.asarray(k), c, plan.chunk_size,
                                 jnp.asarray(lengths))
-    picks[s2] = np.sort(np.asarray(rocketkv.select(jnp.asarray(q), attach(cache, plan), plan)))
+    picks[s2] = np.sort(np.asarray(rocketkv.select(jnp.asarray(q), plan.stage2.prefill(cache, plan), plan)))
   for b in range(2):
     exact = ref.exact_slot_scores(q[b], k[b], lengths[b])
     for h in range(HKV):
@@ -491,15 +512,15 @@ def _ref_decode(stage2, plan, k, v, q, n, steps, sliding_window=None):
     valid = np.broadcast_to(valid, (HKV, p + 1))
     if stage2 == "rerank":
       sel, _ = ref_rerank_select(q[:, p], kk, valid, plan.chunk_size, plan.r,
-                                 plan.rerank_candidates, plan.top_k)
+                                 plan.stage2.candidates(plan.top_k), plan.top_k)
     elif stage2 == "quant":
-      sel, _ = ref_quant_select(q[:, p], kk, valid, n, plan.r, plan.quant_bits, plan.top_k)
+      sel, _ = ref_quant_select(q[:, p], kk, valid, n, plan.r, plan.stage2.bits, plan.top_k)
     else:
-      sel, _ = ref_lowrank_select(q[:, p], kk, valid, n, plan.lowrank_page_size,
-                                  plan.lowrank_rank, plan.top_k)
+      sel, _ = ref_lowrank_select(q[:, p], kk, valid, n, plan.stage2.page_size,
+                                  plan.stage2.rank, plan.top_k)
     att = ref.attention(q[:, p], kk, vv, [sorted(s) for s in sel])
-    if plan.mean_value:  # SparQ's fill: alpha = the codes' mass on the slots read, per q head
-      probs = ref_quant_probs(q[:, p], kk, valid, n, plan.r, plan.quant_bits)
+    if stage2 == "quant" and plan.stage2.mean_value:  # SparQ's fill: alpha = the codes' mass
+      probs = ref_quant_probs(q[:, p], kk, valid, n, plan.r, plan.stage2.bits)  # read, per head
       alpha = np.array([probs[h, sorted(sel[h // G])].sum() for h in range(HQ)])[:, None]
       v_mean = np.repeat(np.asarray(vv, np.float64).mean(1), G, axis=0)  # every kept slot
       att = alpha * att + (1 - alpha) * v_mean
@@ -526,12 +547,12 @@ def test_decode_steps_match_reference(stage2, window, bits, mean_value):
   for b, n in enumerate(lengths):
     k[b, :, n:] *= 1.5
   cfg = rocketkv.RocketConfig(token_budget=24, window_size=4, prompt_budget=l, chunk_size=3,
-                              r=6, stage2=stage2, lowrank_page_size=16, lowrank_rank=4,
-                              quant_bits=bits, mean_value=mean_value)
+                              r=6, stage2=_variant(stage2, page_size=16, rank=4, bits=bits,
+                                                   mean_value=mean_value))
   plan = rocketkv.plan(cfg, l, steps, D)
   assert plan.top_k == 12 and plan.prompt_budget == l and plan.capacity == l + steps
   got, state = _decode(plan, k, v, q, lengths, l, steps, window)
-  assert type(state) is state_type(plan)
+  assert type(state) is plan.stage2.state_type
   for b in range(2):
     want = _ref_decode(stage2, plan, k[b], v[b], q[b], lengths[b], steps, window)
     np.testing.assert_allclose(got[b], want, rtol=1e-4, atol=1e-4)
@@ -548,8 +569,8 @@ def test_mean_value_sum_follows_appends_and_overflow():
   k = rng.standard_normal((2, HKV, l + steps, D)).astype(np.float32)
   v = rng.standard_normal((2, HKV, l + steps, D)).astype(np.float32)
   q = rng.standard_normal((2, HQ, l + steps, D)).astype(np.float32)
-  cfg = rocketkv.RocketConfig(token_budget=16, window_size=4, prompt_budget=l, stage2="quant",
-                              mean_value=True)
+  cfg = rocketkv.RocketConfig(token_budget=16, window_size=4, prompt_budget=l,
+                              stage2=Quant(mean_value=True))
   plan = rocketkv.plan(cfg, l, 2, D)  # room for 2 new tokens: sequence 1 overflows at step 3
   _, state = _decode(plan, k, v, q, lengths, l, steps)
   assert np.asarray(rocketkv.cache_overflow(state)).tolist() == [False, True]
@@ -573,12 +594,12 @@ def test_multi_turn_keeps_its_summaries(stage2, mean_value):
   k = rng.standard_normal((1, HKV, l + t2 + 2 * steps, D)).astype(np.float32)
   q = rng.standard_normal((1, HQ, l + t2 + 2 * steps, D)).astype(np.float32)
   cfg = rocketkv.RocketConfig(token_budget=512, window_size=4, method="rocketkv_mt",
-                              prompt_budget=1000, stage2=stage2, lowrank_page_size=8,
-                              lowrank_rank=2, mean_value=mean_value)
+                              prompt_budget=1000,
+                              stage2=_variant(stage2, page_size=8, rank=2, mean_value=mean_value))
   plan = rocketkv.plan(cfg, l, steps, D)
   state = rocketkv.prefill(jnp.asarray(k[:, :, :l]), jnp.asarray(k[:, :, :l]),
                            jnp.asarray(q[:, :, l - 4:l]), plan)
-  assert type(state.view) is state_type(plan)
+  assert type(state.view) is plan.stage2.state_type
   n_view = lambda st: int((st.n_prompt if stage2 == "lowrank" else st.cache.length)[0])
   assert n_view(state.view) == l
   for t in range(steps):
@@ -588,7 +609,7 @@ def test_multi_turn_keeps_its_summaries(stage2, mean_value):
   plan2 = rocketkv.plan(cfg, s + t2, steps, D)
   state = rocketkv.begin_turn(state, jnp.asarray(k[:, :, s:s + t2]), jnp.asarray(k[:, :, s:s + t2]),
                               jnp.asarray(q[:, :, s + t2 - 4:s + t2]), plan2)
-  assert type(state.view) is state_type(plan2) and n_view(state.view) == s + t2
+  assert type(state.view) is plan2.stage2.state_type and n_view(state.view) == s + t2
   if mean_value:
     np.testing.assert_allclose(np.asarray(state.view.v_sum[0]), k[0, :, :s + t2].sum(1),
                                rtol=1e-5, atol=1e-4)
@@ -614,4 +635,4 @@ def test_generate_with_stage2_keeping_everything_equals_full(stage2):
   cfg = rocketkv.RocketConfig(token_budget=256, stage2=stage2)
   res = rocketkv.generate(model, prompts, rocket_config=cfg, max_new_tokens=12, eos_token_ids=())
   assert res.tokens == full.tokens
-  assert res.stats["plan"].stage2 == stage2
+  assert res.stats["plan"].stage2 == stage2_lib.get(stage2)

@@ -22,7 +22,7 @@ Multi-turn ("multiturn" in tasks): batch 1, three questions on one context, for 
     per-turn split (top_k, chunk_size, r) is the one rocketkv_mt uses for that turn, so the
     two differ only in whether stage 1 is re-run. A stage-2 variant's summaries beside the
     cache ("lowrank", "quant") are rebuilt over the grown cache after each turn's append
-    (`stage2_state.attach`, as after the first prefill: a turn's prompt is a prefill, so the
+    (`Stage2.prefill`, as after the first prefill: a turn's prompt is a prefill, so the
     quant grid is fixed anew there); "minmax" / "rerank" read the bounds `extend` rebuilds.
   * rocketkv_mt: the full cache is kept; later turn prompts are run densely over it and
     `rocketkv.begin_turn` re-runs stage 1 with that turn's window queries.
@@ -58,7 +58,7 @@ import rocketkv_jax as rocketkv
 from rocketkv_jax import methods as methods_lib
 from rocketkv_jax.eval import longbench, tasks as tasks_lib, variants
 from rocketkv_jax.eval.runner import Runner, as_cache, layer_states
-from rocketkv_jax.stage2_state import attach, unwrap
+from rocketkv_jax.methods.stage2 import cache_of
 
 DEFAULT_METHODS = ("full", "exact_topk", "rocketkv", "snapkv", "quest", "sparq", "streamingllm")
 MT_METHODS = ("full", "rocketkv", "rocketkv_mt")
@@ -155,7 +155,13 @@ def _record(sample, method, budget, tokens, prediction, score, turn=None, task=N
 
 
 def _plan_dict(plan) -> dict:
-  return dataclasses.asdict(plan)
+  """The plan's fields, its stage-2 variant as `stage2=<name>` and the variant's own fields
+  under their spec keys (`quant_bits`, ...: the flat fields of the records written before the
+  variants were objects)."""
+  d = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+  if plan.stage2 is not None:
+    d.update(stage2=plan.stage2.name, **plan.stage2.record())
+  return d
 
 
 # --------------------------------------------------------------------------- multi-turn helpers
@@ -174,7 +180,7 @@ def _grow_all(states, *, capacities, chunk_sizes):
 @functools.partial(jax.jit, static_argnames=("plan", "dense"))
 def _attach_all(caches, *, plan, dense):
   """Each non-dense layer's stage-2 state of `plan` over its (grown, extended) cache."""
-  return [c if i in dense else attach(c, plan) for i, c in enumerate(caches)]
+  return [c if i in dense else plan.stage2.prefill(c, plan) for i, c in enumerate(caches)]
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))
@@ -444,7 +450,7 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar, ski
             states = _begin_all(states, kt, vt, qw, jax.numpy.asarray(tl), plan=tplan)
             seen = states[0].full.seen
           else:
-            states = [unwrap(st) for st in states]  # the KVCaches (stage-2 states rebuilt below)
+            states = [cache_of(st) for st in states]  # the KVCaches (stage-2 states rebuilt below)
             first, kt, vt, qw, logits = runner.turn_prefill(states, tt, tl, return_logits=True)
             tplan = plan
             if per_turn:

@@ -7,16 +7,22 @@ A method spec is a name from `rocketkv.METHODS`, optionally followed by `:` and 
     rocketkv:chunk_size=1,r=64      stage 2 scores every kept token exactly (D = 64)
     rocketkv:top_k=B                stage 2 reads B tokens instead of B/2
     rocketkv:stage2=rerank          stage 2 re-ranks the chunk bounds' candidates per token
-    rocketkv:stage2=lowrank,lowrank_rank=4   page-local low-rank key summaries (RocketConfig)
-    rocketkv:stage2=quant,quant_bits=4      per-token 4-bit key codes (RocketConfig)
+    rocketkv:stage2=lowrank,lowrank_rank=4   page-local low-rank key summaries, LowRank(rank=4)
+    rocketkv:stage2=quant,quant_bits=4      per-token 4-bit key codes, Quant(bits=4)
     rocketkv:stage2=quant,quant_capacity=equal_read   the codes' saved bytes spent on stage 1
     rocketkv:stage2=quant,mean_value=1      SparQ's mean-value fill for the unread slots
     rocketkv:skip_layers=2          layers 0 and 1 keep their whole cache and attend densely
     rocketkv:window_reduce=max      stage 1 keeps the keys some window query attends to most
     snapkv:window_size=16
 
+A stage-2 variant's own fields (rocketkv_jax/methods/stage2/) are set by their spec keys,
+`<variant>_<field>` (`rerank_factor`, `lowrank_page_size`, `lowrank_rank`, `quant_bits`,
+`quant_capacity`; Quant's `mean_value` is `mean_value`), and need `stage2=<that variant>`:
+`rocket_config` turns them into the `RocketConfig.stage2` object. These are the keys the eval
+records' plan dicts store too (`harness`), so committed results keep their spec strings.
+
 Values are integers, floats (`alpha`, `rerank_factor`), names (`stage2`: one of
-`rocketkv.STAGE2`; `quant_capacity`: one of `stage2_quant.CAPACITY`; `window_reduce`: one of
+`rocketkv.STAGE2`; `quant_capacity`: a `Quant.capacity`; `window_reduce`: one of
 `rocketkv.WINDOW_REDUCE`), 0 / 1 (`mean_value`), or
 `B` for the sweep's token budget (so one spec works at every budget). The spec string is the
 method's name everywhere in the results (records, tables, plots), so a variant sits next to the
@@ -26,16 +32,24 @@ methods it is compared with. The sweep's defaults use no overrides: variants exi
 
 from __future__ import annotations
 
-import rocketkv_jax as rocketkv
-from rocketkv_jax.config import STAGE2, WINDOW_REDUCE
-from rocketkv_jax.stage2_quant import CAPACITY
+import typing
 
+import rocketkv_jax as rocketkv
+from rocketkv_jax.config import WINDOW_REDUCE
+from rocketkv_jax.methods import stage2 as stage2_lib
+
+_STAGE2_KEYS = stage2_lib.spec_keys()  # e.g. "quant_bits" -> (Quant, "bits")
 OVERRIDABLE = ("alpha", "capacity", "prompt_budget", "top_k", "chunk_size", "r", "window_size",
-               "kernel_size", "page_size", "sink_size", "stage2", "rerank_factor",
-               "lowrank_page_size", "lowrank_rank", "quant_bits", "quant_capacity",
-               "mean_value", "skip_layers", "window_reduce")
-_FLOATS = ("alpha", "rerank_factor")
-_BOOLS = ("mean_value",)
+               "kernel_size", "page_size", "sink_size", "stage2", "skip_layers",
+               "window_reduce") + tuple(_STAGE2_KEYS)
+
+
+def _kind(key: str) -> type:
+  """The value type of a key: a stage-2 field's annotation; float for `alpha`; else int."""
+  if key in _STAGE2_KEYS:
+    cls, field = _STAGE2_KEYS[key]
+    return typing.get_type_hints(cls)[field]
+  return float if key == "alpha" else int
 
 
 def parse(spec: str) -> tuple[str, dict[str, int | float | str]]:
@@ -56,35 +70,52 @@ def parse(spec: str) -> tuple[str, dict[str, int | float | str]]:
     overrides[key] = _value(spec, key, val)
   if sep and not overrides:
     raise ValueError(f"method {spec!r}: nothing after ':'")
+  _stage2(spec, overrides)  # the variant's own checks, before any model work
   return base, overrides
 
 
+def _stage2(spec: str, overrides: dict):
+  """The `Stage2` object of the spec's `stage2` and its variant keys (ValueError naming the key
+  if they do not fit it)."""
+  keys = {k: v for k, v in overrides.items() if k in _STAGE2_KEYS and v != "B"}
+  try:
+    return stage2_lib.from_spec(overrides.get("stage2", "minmax"), keys)
+  except ValueError as e:
+    raise ValueError(f"method {spec!r}: {e}") from None
+
+
 def _value(spec: str, key: str, val: str) -> int | float | str:
-  names = {"stage2": STAGE2, "quant_capacity": CAPACITY, "window_reduce": WINDOW_REDUCE}.get(key)
+  names = {"stage2": tuple(stage2_lib.REGISTRY), "window_reduce": WINDOW_REDUCE}.get(key)
   if names is not None:
     if val not in names:
       raise ValueError(f"method override {key}={val!r} in {spec!r} must be one of "
                        f"{list(names)}")
     return val
-  if key in _BOOLS:
+  kind = _kind(key)
+  if kind is str:  # a variant's name field: its own check names the allowed values
+    return val
+  if kind is bool:
     if val not in ("0", "1"):
       raise ValueError(f"method override {key}={val!r} in {spec!r} must be 0 or 1")
     return val == "1"
-  if val == "B" and key not in _FLOATS:
+  if val == "B" and kind is int:
     return val
   try:
-    return float(val) if key in _FLOATS else int(val)
+    return kind(val)
   except ValueError:
-    kind = "a float" if key in _FLOATS else "an integer or B"
-    raise ValueError(f"method override {key}={val!r} in {spec!r} must be {kind}") from None
+    what = "a float" if kind is float else "an integer or B"
+    raise ValueError(f"method override {key}={val!r} in {spec!r} must be {what}") from None
 
 
 def rocket_config(spec: str, token_budget: int, **defaults) -> "rocketkv.RocketConfig":
   """The `RocketConfig` of a method spec at one budget; `defaults` (window_size, page_size...)
   apply first, the spec's overrides after. Invalid values raise `RocketConfig`'s ValueError."""
   base, overrides = parse(spec)
+  overrides = {k: (int(token_budget) if v == "B" else v) for k, v in overrides.items()}
   fields = dict(defaults)
-  fields.update({k: (int(token_budget) if v == "B" else v) for k, v in overrides.items()})
+  fields.update({k: v for k, v in overrides.items() if k not in _STAGE2_KEYS})
+  if "stage2" in overrides:
+    fields["stage2"] = _stage2(spec, overrides)
   # One construction with every field: checks that depend on several fields (token_budget >=
   # window_size) see the values asked for, not the defaults.
   return rocketkv.RocketConfig(token_budget=int(token_budget), method=base, **fields)

@@ -16,8 +16,8 @@ everything specific to it:
 
 and a few class-level facts the harness and `generate` read instead of its name: `summary`
 (what B means for it), `dense`, `uses_budget`, `keeps_full_cache`, `replan_per_turn`,
-`stage2_variants` (the `RocketConfig.stage2` values it accepts), `accepts_skip_layers` (whether
-`RocketConfig.skip_layers` may be other than 0).
+`stage2_variants` (the names of the `RocketConfig.stage2` variants it accepts),
+`accepts_skip_layers` (whether `RocketConfig.skip_layers` may be other than 0).
 
 Dense layers (`dense_layers`: Quest's first two, RocketKV's `skip_layers`) are chosen by the
 method from the layer index that `rocketkv.prefill` / `rocketkv.decode_step` receive as
@@ -52,7 +52,7 @@ class Method:
   uses_budget: ClassVar[bool] = True  # False: B is ignored (one eval record, budget None)
   keeps_full_cache: ClassVar[bool] = False  # multi-turn: each turn re-runs stage 1 (begin_turn)
   replan_per_turn: ClassVar[bool] = False  # multi-turn: the split is re-made for each turn
-  # RocketConfig.stage2 values it accepts: variants of its stage-2 read (methods/rocketkv.py).
+  # Names of the RocketConfig.stage2 variants it accepts (methods/stage2/, `Stage2.name`).
   stage2_variants: ClassVar[tuple[str, ...]] = ("minmax",)
   # RocketConfig.skip_layers may be > 0: `split` puts it in the Plan, `dense_layers` reads it.
   accepts_skip_layers: ClassVar[bool] = False

@@ -1,4 +1,4 @@
-"""Stage 2, `stage2="lowrank"`: page-local low-rank key summaries, per-token scores.
+"""`LowRank(page_size=128, rank=8)`: page-local low-rank key summaries, per-token scores.
 
 At prefill, per page of kept prompt slots and KV head: the page mean, its top-R centred key
 directions and per-slot coefficients; each prompt slot is scored from them, decode-time tokens
@@ -7,15 +7,19 @@ exactly. Design and measurements: docs/stage2_variants.md.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from rocketkv_jax._checks import require
+from rocketkv_jax._checks import require, require_int
 from rocketkv_jax.cache import KVCache, valid_slots
 from rocketkv_jax.budget import Plan
-from rocketkv_jax.select import _group_softmax_sum, check_query, top_scored_slots
+from rocketkv_jax.methods.stage2.base import Stage2
+from rocketkv_jax.ops import group_softmax_sum
+from rocketkv_jax.select import check_query, top_scored_slots
 
 
 @struct.dataclass
@@ -43,6 +47,39 @@ class LowRankState:
   @property
   def num_pages(self) -> int:
     return self.basis.shape[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class LowRank(Stage2):
+  """Attributes:
+    page_size: P, slots per page of summaries (>= 1).
+    rank: R, directions per page (1 <= R <= P; R <= head_dim, checked by the split).
+  """
+
+  name = "lowrank"
+  state_type = LowRankState
+  page_size: int = 128
+  rank: int = 8
+
+  def __post_init__(self):
+    require_int("LowRank.page_size", self.page_size, 1)
+    require_int("LowRank.rank", self.rank, 1, self.page_size)
+
+  def split(self, split, prompt_len, max_new_tokens, head_dim):
+    require(self.rank <= head_dim,
+            f"LowRank.rank must be in [1, head_dim={head_dim}], got {self.rank}")
+    # No chunk min/max summaries: the cache keeps none and `append` updates none.
+    return dict(split, chunk_size=0)
+
+  def prefill(self, cache, plan):
+    return build(cache, plan)
+
+  def after_append(self, state, new):
+    return state.replace(cache=new)  # the prompt summaries never change; new slots are exact
+
+  def select(self, q, state, plan, *, sliding_window=None, impl="auto"):
+    del impl  # XLA only
+    return select_lowrank(q, state, plan, sliding_window=sliding_window)
 
 
 def _window(plan: Plan, capacity: int) -> int:
@@ -80,9 +117,9 @@ def page_summaries(k: jax.Array, n_prompt: jax.Array, page_size: int, rank: int,
 
 def build(cache: KVCache, plan: Plan) -> LowRankState:
   """The lowrank state of a freshly prefilled cache: its `length` valid slots are the prompt."""
-  require(plan.stage2 == "lowrank", f"plan.stage2 must be 'lowrank', got {plan.stage2!r}")
+  require(isinstance(plan.stage2, LowRank), f"plan.stage2 must be a LowRank, got {plan.stage2!r}")
   c = cache.capacity
-  p, r = plan.lowrank_page_size, plan.lowrank_rank
+  p, r = plan.stage2.page_size, plan.stage2.rank
   num_pages = max(1, -(-(c - _window(plan, c)) // p))
   basis, coef = page_summaries(cache.k, cache.length, p, r, num_pages)
   return LowRankState(cache=cache, basis=basis.astype(cache.dtype),
@@ -145,7 +182,7 @@ def select_lowrank(q: jax.Array, state: LowRankState, plan: Plan, *,
   win_ok = jnp.take_along_axis(valid, win_slots, axis=-1)
   win_ok = win_ok & (win_slots >= state.n_prompt[:, None, None])
   ok = jnp.concatenate([prompt_ok, win_ok], axis=-1)  # [B, Hkv, NP * P + W]
-  scores = _group_softmax_sum(logits, ok)
+  scores = group_softmax_sum(logits, ok)
 
   def slot_of(best):  # entries [0, n) are prompt slots, the rest the window's
     if not w:

@@ -1,20 +1,58 @@
-"""Stage 2, `stage2="rerank"`: chunk bounds pick candidates, per-token scores pick `top_k`.
+"""`Rerank(factor=1.5)`: chunk bounds pick candidates, per-token scores pick `top_k`.
 
-The chunk scores shortlist `plan.rerank_candidates` slots; each candidate is scored on its own
-key on the same r dims, and the best `top_k` are attended (`decode_attend` reuses the candidate
-K rows). Design and measurements: docs/stage2_variants.md.
+The chunk scores shortlist `Rerank.candidates(top_k)` slots (`ceil(factor * top_k)`); each
+candidate is scored on its own key on the same r dims, and the best `top_k` are attended
+(`decode_attend` reuses the candidate K rows). Design and measurements: docs/stage2_variants.md.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from rocketkv_jax._checks import require
+from rocketkv_jax.attend import softmax_combine
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, valid_slots
-from rocketkv_jax.ops import bound_rows_and_query, group_queries
-from rocketkv_jax.select import _group_softmax_sum, approx_scores, check_chunks, top_chunk_slots
+from rocketkv_jax.methods.stage2.base import Stage2
+from rocketkv_jax.ops import bound_rows_and_query, group_queries, group_softmax_sum
+from rocketkv_jax.select import approx_scores, check_chunks, top_chunk_slots
+
+
+@dataclasses.dataclass(frozen=True)
+class Rerank(Stage2):
+  """Attributes:
+    factor: candidates per selected slot (>= 1): the chunk bounds shortlist
+      `ceil(factor * top_k)` slots, re-scored per token.
+  """
+
+  name = "rerank"
+  factor: float = 1.5
+
+  def __post_init__(self):
+    f = self.factor
+    require(isinstance(f, (int, float)) and not isinstance(f, bool) and f >= 1,
+            f"Rerank.factor must be a number >= 1, got {f!r}")
+
+  def candidates(self, top_k: int) -> int:
+    """M: slots the chunk bounds shortlist for `top_k` (capped at the capacity when selecting)."""
+    return max(top_k, math.ceil(self.factor * top_k))
+
+  def select(self, q, state, plan, *, sliding_window=None, impl="auto"):
+    require(isinstance(state, KVCache),
+            f"a stage2={self.name!r} plan needs a KVCache, got a {type(state).__name__}")
+    check_chunks(state, plan.chunk_size)
+    chunk = approx_scores(q, state, plan.r, impl=impl)
+    return select_rerank(q, state, plan, chunk, valid_slots(state, sliding_window),
+                         sliding_window)
+
+  def attend(self, q, state, plan, *, sliding_window=None, impl="auto"):
+    # Attends from the candidate K rows it already read (`decode_attend`).
+    return decode_attend(q, state, plan, sliding_window=sliding_window, impl=impl)
 
 
 def top_dims(q: jax.Array, hkv: int, r: int):
@@ -63,7 +101,7 @@ def scores_of_rows(q: jax.Array, rows: jax.Array, ok: jax.Array, r: int) -> jax.
     [B, Hkv, M] float32: softmax over the valid candidates of q_r . k_r (SparQ-scaled) per query
     head, summed over the group; 0 where not `ok`.
   """
-  return _group_softmax_sum(_logits_of_rows(q, rows, r)[0], ok)
+  return group_softmax_sum(_logits_of_rows(q, rows, r)[0], ok)
 
 
 def candidate_scores_xla(q: jax.Array, k: jax.Array, cand: jax.Array, cand_ok: jax.Array,
@@ -79,14 +117,14 @@ def _rerank(q, cache, plan, chunk_scores, valid, sliding_window):
   of the top_k among them, exact logits [B, Hkv, G, M] of the candidates)."""
   c = cache.capacity
   k = min(plan.top_k, c)
-  m = min(max(plan.rerank_candidates, k), c)
+  m = min(max(plan.stage2.candidates(plan.top_k), k), c)
   cand = top_chunk_slots(chunk_scores, cache, m, sliding_window)
   # Candidates past the valid slots (only when fewer than m are valid) may be >= C.
   safe = jnp.minimum(cand, c - 1)
   ok = jnp.take_along_axis(valid, safe, axis=-1) & (cand < c)
   rows = jnp.take_along_axis(cache.k, safe[..., None], axis=2).astype(jnp.float32)
   approx, exact = _logits_of_rows(q, rows, plan.r)
-  scores = _group_softmax_sum(approx, ok)
+  scores = group_softmax_sum(approx, ok)
   _, best = lax.top_k(jnp.where(ok, scores, -jnp.inf), k)  # ties: the lower (better) candidate
   return cand, ok, best, exact
 
@@ -122,13 +160,9 @@ def decode_attend(q: jax.Array, cache: KVCache, plan: Plan, *,
                                   valid, sliding_window)
   c = cache.capacity
   slots = jnp.minimum(jnp.take_along_axis(cand, best, axis=-1), c - 1)
-  sel_ok = jnp.take_along_axis(ok, best, axis=-1)[:, :, None, :]  # [B, Hkv, 1, k]
+  sel_ok = jnp.take_along_axis(ok, best, axis=-1)  # [B, Hkv, k]
   logits = jnp.take_along_axis(exact, best[:, :, None, :], axis=-1)  # [B, Hkv, G, k]
-  logits = jnp.where(sel_ok, logits, -jnp.inf)
-  mx = jnp.max(logits, axis=-1, keepdims=True)
-  p = jnp.exp(logits - jnp.where(jnp.isfinite(mx), mx, 0.0))
   v_sel = jnp.take_along_axis(cache.v, slots[..., None], axis=2).astype(jnp.float32)
-  out = jnp.einsum("bhgk,bhkd->bhgd", p, v_sel)
-  out = out / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+  out = softmax_combine(logits, sel_ok, v_sel)
   b, hq, d = q.shape
   return out.reshape(b, hq, d).astype(q.dtype)

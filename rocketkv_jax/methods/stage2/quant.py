@@ -1,4 +1,5 @@
-"""Stage 2, `stage2="quant"`: per-token low-bit key codes, read on the query's r dims.
+"""`Quant(bits=4, capacity="paper", mean_value=False)`: per-token low-bit key codes, read on
+the query's r dims.
 
 Keys are coded on a per-channel affine grid fixed at prefill, stored dim-major and packed; each
 slot is scored on its own codes over the query's r dims, then exact attention on `top_k` slots.
@@ -8,6 +9,8 @@ docs/stage2_variants.md.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -15,10 +18,11 @@ from flax import struct
 from rocketkv_jax import _impl
 from rocketkv_jax._checks import require
 from rocketkv_jax.budget import Plan
-from rocketkv_jax.cache import KVCache, _write_rows, valid_slots
+from rocketkv_jax.cache import KVCache, valid_slots, write_rows
 from rocketkv_jax.attend import attend
-from rocketkv_jax.ops import bound_rows_and_query, group_queries, masked_softmax
-from rocketkv_jax.select import check_query, group_sum, top_scored_slots
+from rocketkv_jax.methods.stage2.base import Stage2
+from rocketkv_jax.ops import bound_rows_and_query, group_queries, group_sum, masked_softmax
+from rocketkv_jax.select import check_query, top_scored_slots
 
 BITS = (1, 2, 4, 8)
 CAPACITY = ("paper", "equal_read")
@@ -34,7 +38,7 @@ class QuantState:
     codes: [B, Hkv, D, ceil(C / per)] uint8 packed codes, dim-major (module doc).
     lo: [B, Hkv, D] float32 per-channel grid origin.
     step: [B, Hkv, D] float32 per-channel grid step (> 0).
-    v_sum: [B, Hkv, D] float32 sum of the valid slots' values (`RocketConfig.mean_value`), or
+    v_sum: [B, Hkv, D] float32 sum of the valid slots' values (`Quant.mean_value`), or
       None where the plan does not fill with the mean value.
     bits: static bits per code (one of `BITS`).
   """
@@ -49,6 +53,65 @@ class QuantState:
   @property
   def per_byte(self) -> int:
     return 8 // self.bits
+
+
+@dataclasses.dataclass(frozen=True)
+class Quant(Stage2):
+  """Attributes:
+    bits: bits per key code, one of `BITS`.
+    capacity: "paper" (the paper's split) or "equal_read" (stage 1 keeps as many slots as make
+      the codes' read per step equal the paper's bounds' read at this budget,
+      `equal_read_capacity`; the same top_k and r).
+    mean_value: SparQ's mean-value fill: each step's output is `alpha * attention over top_k +
+      (1 - alpha) * mean value of the kept slots`, alpha the mass the codes' softmax puts on the
+      slots read. False (the paper): the top_k rows are renormalised as if the unread slots had
+      no weight.
+  """
+
+  name = "quant"
+  state_type = QuantState
+  key_overrides = {"mean_value": "mean_value"}  # its spec / record key since it was a flag
+  bits: int = 4
+  capacity: str = "paper"
+  mean_value: bool = False
+
+  def __post_init__(self):
+    require(self.bits in BITS and not isinstance(self.bits, bool),
+            f"Quant.bits must be one of {list(BITS)}, got {self.bits!r}")
+    require(self.capacity in CAPACITY,
+            f"Quant.capacity must be one of {list(CAPACITY)}, got {self.capacity!r}")
+    require(isinstance(self.mean_value, bool),
+            f"Quant.mean_value must be True or False, got {self.mean_value!r}")
+
+  def check_config(self, config):
+    require(self.capacity != "equal_read" or (config.capacity is None
+                                              and config.prompt_budget is None),
+            "Quant(capacity='equal_read') sets the capacity: leave capacity and prompt_budget "
+            "unset")
+
+  def split(self, split, prompt_len, max_new_tokens, head_dim):
+    split = dict(split)
+    if self.capacity == "equal_read" and split["prompt_budget"] < prompt_len:
+      cap = equal_read_capacity(split["capacity"], split["chunk_size"], self.bits)
+      kept = min(cap, prompt_len + max_new_tokens) - max_new_tokens
+      split.update(prompt_budget=kept, capacity=kept + max_new_tokens)
+    # Per-token codes replace the chunk bounds (no chunk summaries); r as the paper's.
+    return dict(split, chunk_size=0)
+
+  def prefill(self, cache, plan):
+    return build(cache, plan)
+
+  def after_append(self, state, new):
+    return append_codes(state, new)
+
+  def select(self, q, state, plan, *, sliding_window=None, impl="auto"):
+    return select_quant(q, state, plan, sliding_window=sliding_window, impl=impl)
+
+  def attend(self, q, state, plan, *, sliding_window=None, impl="auto"):
+    # `decode_attend` (with the mean-value fill where it asks), as two kernels on a GPU where
+    # the state allows (fused_step.py).
+    from rocketkv_jax import fused_step  # fused_step imports this module
+    return fused_step.quant_attend(q, state, plan, sliding_window=sliding_window, impl=impl)
 
 
 def equal_read_capacity(capacity: int, chunk_size: int, bits: int) -> int:
@@ -117,8 +180,8 @@ def _coded(k: jax.Array, valid: jax.Array, lo, step, bits: int) -> jax.Array:
 
 def build(cache: KVCache, plan: Plan) -> QuantState:
   """The quant state of a freshly prefilled cache: the grid of its valid slots, every slot coded."""
-  require(plan.stage2 == "quant", f"plan.stage2 must be 'quant', got {plan.stage2!r}")
-  bits = plan.quant_bits
+  require(isinstance(plan.stage2, Quant), f"plan.stage2 must be a Quant, got {plan.stage2!r}")
+  bits = plan.stage2.bits
   per = 8 // bits
   c = cache.capacity
   valid = valid_slots(cache)
@@ -127,7 +190,7 @@ def build(cache: KVCache, plan: Plan) -> QuantState:
   pad = -c % per
   codes = jnp.pad(codes, ((0, 0), (0, 0), (0, pad), (0, 0)))
   v_sum = None
-  if plan.mean_value:
+  if plan.stage2.mean_value:
     v_sum = jnp.sum(jnp.where(valid[..., None], cache.v.astype(jnp.float32), 0.0), axis=2)
   return QuantState(cache=cache, codes=pack(codes, bits), lo=lo, step=step, v_sum=v_sum,
                     bits=bits)
@@ -154,7 +217,7 @@ def append_codes(state: QuantState, new: KVCache) -> QuantState:
     came = jnp.take_along_axis(new.v, at, axis=2)[:, :, 0].astype(jnp.float32)
     full = (state.cache.length >= c)[:, None, None]
     v_sum = v_sum + came - jnp.where(full, gone, 0.0)
-  return state.replace(cache=new, codes=_write_rows(state.codes, col, byte, axis=3),
+  return state.replace(cache=new, codes=write_rows(state.codes, col, byte, axis=3),
                        v_sum=v_sum)
 
 
@@ -193,12 +256,9 @@ def slot_logits_xla(q: jax.Array, state: QuantState, r: int) -> jax.Array:
 
 def slot_logits(q: jax.Array, state: QuantState, r: int, *, impl: str = "auto") -> jax.Array:
   """`slot_logits_xla`, or the Pallas kernel (`kernels.quant_slot_logits`) as `impl` picks."""
-  def pallas(interpret):
-    from rocketkv_jax import kernels  # imported on first use (Pallas is a heavy import)
-    return kernels.quant_slot_logits(q, state.codes, state.step, r=r, bits=state.bits,
-                                     capacity=state.cache.capacity, interpret=interpret)
-
-  return _impl.dispatch(impl, lambda: slot_logits_xla(q, state, r), pallas)
+  return _impl.dispatch(impl, lambda: slot_logits_xla(q, state, r), "quant_slot_logits", q,
+                        state.codes, state.step, r=r, bits=state.bits,
+                        capacity=state.cache.capacity)
 
 
 def select_quant(q: jax.Array, state: QuantState, plan: Plan, *,
@@ -230,14 +290,14 @@ def _select(q, state, plan, sliding_window, impl):
 def decode_attend(q: jax.Array, state: QuantState, plan: Plan, *,
                   sliding_window: int | None = None, impl: str = "auto") -> jax.Array:
   """One step's attention over a quant state (after its append): exact attention over the
-  `top_k` slots the codes pick and, with `plan.mean_value`, the mean-value fill (module doc).
+  `top_k` slots the codes pick and, with `Quant.mean_value`, the mean-value fill (module doc).
 
   Returns:
     [B, Hq, D] in q's dtype.
   """
   idx, p = _select(q, state, plan, sliding_window, impl)
   out = attend(q, state.cache, idx, sliding_window=sliding_window, impl=impl)
-  if not plan.mean_value:
+  if not plan.stage2.mean_value:
     return out
   require(state.v_sum is not None, "a mean_value plan needs the QuantState its prefill built")
   b, hkv, g, c = p.shape
