@@ -72,7 +72,6 @@ def _attention_step(a):
 
 def _model_step(a):
   """(step(state) -> state, state, title) for a checkpoint's whole decode step."""
-  from rocketkv_jax import methods
   from rocketkv_jax.models import llama
   from rocketkv_jax.models.precision import compute_params
 
@@ -82,8 +81,6 @@ def _model_step(a):
   free = 5 + 2 * a.steps  # slots the plan leaves for the steps run
   plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=a.budget, method=a.method,
                                              stage2=a.stage2), a.context, free, c.head_dim)
-  method = methods.get(a.method)
-  dense = method.dense_layers(plan)
   lengths = jnp.full((a.batch,), a.context, jnp.int32)
   states = []
   for i in range(c.num_layers):
@@ -91,8 +88,7 @@ def _model_step(a):
                                                   c.head_dim), model.params["embed"].dtype)
     qw = jax.random.normal(jax.random.PRNGKey(1000 + i), (a.batch, c.num_heads,
                                                           plan.window_size, c.head_dim), k.dtype)
-    states.append(rocketkv.prefill(k, k, qw, plan, lengths=lengths,
-                                   layer=i if i in dense else None))
+    states.append(rocketkv.prefill(k, k, qw, plan, lengths=lengths, layer=i))
   cache = tuple(states) if a.layout == "layers" else llama.stack_cache(tuple(states), plan)
   params = compute_params(model.params)
   tokens = jnp.zeros((a.batch,), jnp.int32)

@@ -51,6 +51,7 @@ from rocketkv_jax.attend import dense_attention_xla
 from rocketkv_jax.config import check_num_layers
 from rocketkv_jax.decode import decode_step as kv_decode_step
 from rocketkv_jax.decode import prefill as kv_prefill
+from rocketkv_jax.decode import window_positions
 from rocketkv_jax.models.attention import blockwise_causal_attention
 from rocketkv_jax.models.config import ModelConfig
 from rocketkv_jax.models.precision import compute_params
@@ -167,11 +168,9 @@ def forward(params: Params, tokens: jnp.ndarray, *, config: ModelConfig,
   return unembed(params, config, x)
 
 
-def window_indices(lengths: jnp.ndarray, length: int, window: int) -> jnp.ndarray:
-  """`[B, W]` padded indices of the last W valid tokens of each sequence (clamped at 0)."""
-  w = min(window, length)
-  idx = lengths[:, None] - w + jnp.arange(w, dtype=jnp.int32)[None, :]
-  return jnp.clip(idx, 0, length - 1)
+# `[B, W]` padded indices of the last W valid tokens of each sequence (clamped at 0): the core's,
+# which `rocketkv.last_valid_window` gathers the window queries with.
+window_indices = window_positions
 
 
 def _last_token_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, lengths: jnp.ndarray,
@@ -194,8 +193,9 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
   Every layer computes K/V for all tokens and queries for the last `window` valid tokens, and
   hands them to `per_layer(k [B, Hkv, L, Dh], v, q_window [B, Hq, W, Dh], layer) -> pytree`.
   `layer` is the layer's index for the layers in `static_layers`, which run unrolled (so their
-  results may differ in structure: the KV methods' dense layers), and None for the others, which
-  run in `lax.scan`s between them (results of one structure).
+  results may differ in structure: the KV methods' dense layers), and for the others, which run
+  in `lax.scan`s between them (results of one structure), the index of their run's first layer
+  (a layer outside `static_layers`, as each of them is).
   Layers 0..N-2 run blockwise causal attention and the MLP over every token; the last layer's
   output is needed only at each sequence's last valid token, so there its attention and MLP
   run on that one row (a 1/N saving of the prompt pass).
@@ -216,8 +216,7 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
   static = {i for i in static_layers if 0 <= i < n}
 
   def store(k, v, qw, i):
-    return per_layer(k.astype(kv_dtype), v.astype(kv_dtype), qw.astype(kv_dtype),
-                     i if i in static else None)
+    return per_layer(k.astype(kv_dtype), v.astype(kv_dtype), qw.astype(kv_dtype), i)
 
   x = params["embed"][tokens]
   layers = params["layers"]
@@ -250,7 +249,7 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
     hi = lo
     while hi < n - 1 and hi not in static:
       hi += 1
-    x, run = lax.scan(layer, x, run_params(lo, hi))
+    x, run = lax.scan(functools.partial(layer, i=lo), x, run_params(lo, hi))
     groups.append(run if hi - lo > 1 else jax.tree.map(lambda a: a[0], run))
     spans.append((lo, hi))
     lo = hi
@@ -421,12 +420,12 @@ def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarr
         # The weights stay per layer: each layer's dense math is a branch of a `lax.switch` on
         # the scanned index, reading its weights in place (a dynamic slice of stacked weights
         # is a copy per layer and step on XLA:CPU: +47 ms a step at 4K x 4). The KV method's
-        # ops, most of a layer's ops, are compiled once. `layer=None`: no dense layer here.
+        # ops, most of a layer's ops, are compiled once. `layer=a`: no dense layer in the run.
         pres = [functools.partial(pre, lp) for lp in layers[a:b]]
         posts = [functools.partial(post, lp) for lp in layers[a:b]]
 
-        def body(x, state, j, pres=pres, posts=posts):
-          out, state = attention(*lax.switch(j, pres, x), state, None)
+        def body(x, state, j, pres=pres, posts=posts, a=a):
+          out, state = attention(*lax.switch(j, pres, x), state, a)
           return lax.switch(j, posts, x, out), state
 
       index = None if (a, b) == (lo, hi) else jnp.arange(a - lo, b - lo, dtype=jnp.int32)
