@@ -6,7 +6,8 @@ Every call either returns finite outputs that meet the invariants -- kept <= cap
 planned count per row, selected slots valid and distinct, `attend` equal to a float64 reference
 over the selected slots, full attention (method "full", a dense layer, or any method once the
 budget holds every token) equal to a float64 reference -- or raises a ValueError of one line.
-Bad inputs (lengths outside [1, L], a window of another length) must raise.
+Bad inputs (lengths outside [1, L], a window of another length, layer=None where the plan has
+dense layers, a state from another method's plan) must raise.
 
 CI runs a few examples; a longer run:
 
@@ -66,7 +67,7 @@ def test_core_api_fuzz(data):
   budget = draw(st.one_of(st.integers(1, 40), st.integers(1000, 100_000)), "budget")
   window = draw(st.integers(1, 6))
   dtype = draw(st.sampled_from([jnp.float32, jnp.bfloat16]))
-  layer = draw(st.integers(0, 3), "layer")
+  layer = draw(st.sampled_from([None, 0, 1, 2, 3]), "layer")
   kw = dict(token_budget=budget, method=name, window_size=window,
             page_size=draw(st.integers(1, 4)), sink_size=draw(st.integers(0, 3)),
             stage2=stage2 or "minmax", lowrank_page_size=4, lowrank_rank=2,
@@ -93,6 +94,10 @@ def test_core_api_fuzz(data):
     assert err is not None and "lengths must be in [1, L=" in str(err)
     return
   qw = rocketkv.last_valid_window(q_prompt, jnp.asarray(lengths), window)
+  if layer is None and method.dense_layers(plan):  # would make a dense layer sparse silently
+    _, err = _call(rocketkv.prefill, k, v, qw, plan, lengths=jnp.asarray(lengths))
+    assert err is not None and "layer must be this layer's index" in str(err)
+    return
   if draw(st.booleans(), "bad_window") and l > 1:
     w_bad = draw(st.sampled_from([x for x in range(1, l + 1) if x != qw.shape[2]]))
     _, err = _call(rocketkv.prefill, k, v, q_prompt[:, :, :w_bad], plan,
@@ -103,7 +108,15 @@ def test_core_api_fuzz(data):
                      layer=layer)
   if err:
     return
-  dense_layer = layer in method.dense_layers(plan)
+  dense_layer = layer is not None and layer in method.dense_layers(plan)
+  other = draw(st.sampled_from([n for n in rocketkv.METHODS if n != name]), "other method")
+  other_cfg, err = _call(rocketkv.RocketConfig, token_budget=budget, method=other,
+                         window_size=window)
+  other_plan = _call(rocketkv.plan, other_cfg, l, new, d)[0] if other_cfg else None
+  if other_plan is not None:  # a state made for another method's plan is refused
+    _, err = _call(rocketkv.decode_step, arr(b, hkv * g, d), arr(b, hkv, 1, d),
+                   arr(b, hkv, 1, d), state, other_plan, layer=layer)
+    assert err is not None and "cache must come from" in str(err)
   cache = method.view(state)
   kept = np.asarray(cache.length)
   want = lengths if dense_layer else np.minimum(lengths, plan.prompt_budget)
