@@ -151,7 +151,8 @@ def bench_rocketkv(context, budget, dtype, repeats, skip_layers=0):
   kc = jax.random.normal(k1, (1, HKV, plan.prompt_budget, D), dtype)
   vc = jax.random.normal(k2, (1, HKV, plan.prompt_budget, D), dtype)
   cache = rocketkv.full_cache(kc, vc, plan.capacity, plan.chunk_size)
-  step = jax.jit(lambda q, kn, vn, c: rocketkv.decode_step(q, kn, vn, c, plan),
+  step = jax.jit(lambda q, kn, vn, c: rocketkv.decode_step(q, kn, vn, c, plan,
+                                                           layer=skip_layers),
                  donate_argnums=3)
   # The plan leaves 100 free slots, so the 90 repeats never fill the cache.
   t = _median_time(step, (q, kn, vn, cache), 90, donate_idx=3)

@@ -59,6 +59,7 @@ from rocketkv_jax.cache import KVCache, from_kept
 from rocketkv_jax.config import check_num_layers
 from rocketkv_jax.decode import decode_step as kv_decode_step
 from rocketkv_jax.decode import prefill as kv_prefill
+from rocketkv_jax.decode import window_positions
 from rocketkv_jax.methods.base import checked_append
 from rocketkv_jax.models.attention import blockwise_causal_attention
 from rocketkv_jax.models.config import ModelConfig
@@ -228,11 +229,9 @@ def forward(params: Params, tokens: jnp.ndarray, *, config: ModelConfig,
   return unembed(params, config, x)
 
 
-def window_indices(lengths: jnp.ndarray, length: int, window: int) -> jnp.ndarray:
-  """`[B, W]` padded indices of the last W valid tokens of each sequence (clamped at 0)."""
-  w = min(window, length)
-  idx = lengths[:, None] - w + jnp.arange(w, dtype=jnp.int32)[None, :]
-  return jnp.clip(idx, 0, length - 1)
+# `[B, W]` padded indices of the last W valid tokens of each sequence (clamped at 0): the core's,
+# which `rocketkv.last_valid_window` gathers the window queries with.
+window_indices = window_positions
 
 
 def _last_token_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, lengths: jnp.ndarray,
@@ -256,8 +255,9 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
   hands them to `per_layer(k [B, Hkv, L, Dh], v, q_window [B, Hq, W, Dh], layer) -> pytree`.
   `layer` is the layer's index for the layers in `static_layers`, which run unrolled (so their
   results may differ in structure: the KV methods' dense layers, a hybrid's sliding layers), and
-  None for the others, which run in `lax.scan`s between them, one per run of layers of one kind
-  (results of one structure).
+  for the others, which run in `lax.scan`s between them, one per run of layers of one kind
+  (results of one structure), the index of their run's first layer (a layer outside
+  `static_layers`, as each of them is).
   Layers 0..N-2 run blockwise causal attention and the MLP over every token; the last layer's
   output is needed only at each sequence's last valid token, so there its attention and MLP
   run on that one row (a 1/N saving of the prompt pass).
@@ -278,8 +278,7 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
   static = {i for i in static_layers if 0 <= i < n}
 
   def store(k, v, qw, i):
-    return per_layer(k.astype(kv_dtype), v.astype(kv_dtype), qw.astype(kv_dtype),
-                     i if i in static else None)  # -1 (a scanned run): None
+    return per_layer(k.astype(kv_dtype), v.astype(kv_dtype), qw.astype(kv_dtype), i)
 
   x = embed(params, config, tokens)
   layers = params["layers"]
@@ -291,13 +290,13 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
   run_params = lambda lo, hi: (jax.tree.map(lambda *xs: jnp.stack(xs), *layers[lo:hi])
                                if per_layer_params else jax.tree.map(lambda a: a[lo:hi], layers))
 
-  def layer(x, lp, i, one=True):
+  def layer(x, lp, i):
     # `i`: the layer (for a scanned run, its first: every layer of a run is of one kind)
     q, k, v = qkv(lp, config, x, positions, layer=i)
     a = blockwise_causal_attention(
         q, k, v, sliding_window=config.layer_window(i), block_size=block_size)
     q_window = jnp.take_along_axis(q, widx[:, None, :, None], axis=2)  # [B, Hq, W, Dh]
-    out = store(k, v, q_window, i if one else -1)
+    out = store(k, v, q_window, i)
     x = mlp_residual(lp, config, attn_residual(lp, x, a, config))
     return x, out
 
@@ -308,7 +307,7 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
       x, out = layer(x, layer_params(lo), lo)
       groups.append(out)
     else:
-      x, run = lax.scan(functools.partial(layer, i=lo, one=False), x, run_params(lo, hi))
+      x, run = lax.scan(functools.partial(layer, i=lo), x, run_params(lo, hi))
       groups.append(run if hi - lo > 1 else jax.tree.map(lambda a: a[0], run))
     spans.append((lo, hi))
   lp = layer_params(n - 1)
@@ -534,12 +533,12 @@ def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarr
         # The weights stay per layer: each layer's dense math is a branch of a `lax.switch` on
         # the scanned index, reading its weights in place (a dynamic slice of stacked weights
         # is a copy per layer and step on XLA:CPU: +47 ms a step at 4K x 4). The KV method's
-        # ops, most of a layer's ops, are compiled once. `layer=None`: no dense layer here.
+        # ops, most of a layer's ops, are compiled once. `layer=a`: no dense layer in the run.
         pres = [functools.partial(pre, lp, i=i) for i, lp in enumerate(layers[a:b], a)]
         posts = [functools.partial(post, lp) for lp in layers[a:b]]
 
-        def body(x, state, j, pres=pres, posts=posts):
-          out, state = attention(*lax.switch(j, pres, x), state, None, window)
+        def body(x, state, j, pres=pres, posts=posts, a=a):
+          out, state = attention(*lax.switch(j, pres, x), state, a, window)
           return lax.switch(j, posts, x, out), state
 
       index = None if (a, b) == (lo, hi) else jnp.arange(a - lo, b - lo, dtype=jnp.int32)

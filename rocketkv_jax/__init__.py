@@ -2,7 +2,8 @@
 
     import rocketkv_jax as rocketkv
     plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=256), prompt_len, new, head_dim)
-    cache = rocketkv.prefill(k, v, q_window, plan)            # stage 1 (per layer)
+    q_window = rocketkv.last_valid_window(q, lengths, plan.window_size)  # [B, Hq, W, D]
+    cache = rocketkv.prefill(k, v, q_window, plan, lengths=lengths)      # stage 1 (per layer)
     out, cache = rocketkv.decode_step(q, k_new, v_new, cache, plan)   # stage 2 (per token)
 
 The methods (`METHODS`) live in rocketkv_jax/methods/, one file each.
@@ -18,7 +19,7 @@ from rocketkv_jax.cache import (KVCache, append, cache_overflow, chunk_summaries
                                 empty_cache, extend, full_cache)
 from rocketkv_jax.config import (METHODS, STAGE2, WINDOW_REDUCE, Plan, RocketConfig,  # noqa: E402
                                  plan)
-from rocketkv_jax.decode import decode_step, prefill, select  # noqa: E402
+from rocketkv_jax.decode import decode_step, last_valid_window, prefill, select  # noqa: E402
 from rocketkv_jax.evict import evict  # noqa: E402
 from rocketkv_jax.multiturn import MTState, begin_turn  # noqa: E402
 from rocketkv_jax.methods.stage2 import LowRank, MinMax, Quant, Rerank, Stage2  # noqa: E402
@@ -32,6 +33,7 @@ __all__ = [
     "MTState", "MinMax", "Plan", "Quant", "QuantState", "Rerank", "RocketConfig", "STAGE2",
     "Stage2", "WINDOW_REDUCE", "append", "attend",
     "begin_turn", "cache_overflow", "chunk_summaries",
-    "decode_step", "empty_cache", "evict", "extend", "full_cache", "generate", "plan", "prefill",
+    "decode_step", "empty_cache", "evict", "extend", "full_cache", "generate", "last_valid_window",
+    "plan", "prefill",
     "score_continuations", "select",
 ]

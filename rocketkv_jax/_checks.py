@@ -42,6 +42,23 @@ def require_int_array(name: str, x: Any) -> None:
           f"{name} must be an integer array (token counts), got dtype {dtype}")
 
 
+def check_lengths(lengths: Any, batch: int, length: int) -> None:
+  """`lengths` must be `[B]` integers; when concrete (not traced), each in [1, L].
+
+  A traced `lengths` (inside `jax.jit`) cannot be read without a host sync, so its values are
+  not checked here: `rocketkv.prefill` clamps them to [1, L] instead (documented there)."""
+  import jax
+  import numpy as np
+  require(getattr(lengths, "shape", None) == (batch,),
+          f"lengths must have shape [B]={(batch,)}, got {getattr(lengths, 'shape', None)}")
+  require_int_array("lengths", lengths)
+  if isinstance(lengths, jax.core.Tracer):
+    return
+  vals = np.asarray(lengths)
+  require(bool(((vals >= 1) & (vals <= length)).all()),
+          f"lengths must be in [1, L={length}], got {vals.tolist()}")
+
+
 def group_size(num_q_heads: int, num_kv_heads: int, q_name: str = "q") -> int:
   """G = Hq // Hkv; Hq must be a positive multiple of Hkv."""
   require(num_kv_heads > 0 and num_q_heads % num_kv_heads == 0 and num_q_heads > 0,

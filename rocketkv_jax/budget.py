@@ -6,13 +6,23 @@ split follows the paper (`paper_split`): from one token budget B and the total l
 T = prompt_len + max_new_tokens,
 
     cr = T / B
-    alpha = min(0.2 + 0.06 * log2(cr), 0.8)
+    alpha = max(min(0.2 + 0.06 * log2(cr), 0.8), 0)      (clamped at 0: below)
     capacity = max(int(T / cr**alpha), min(2 * max_new_tokens, T))
     prompt_budget = capacity - max_new_tokens
-    top_k = B // 2
+    top_k = B // 2, or capacity once everything fits (T <= B)
     cr2 = max(1, capacity / B)
     chunk_size = min(floor(cr2), ceil(sqrt(cr2)))
     r = int(D * chunk_size / cr2), clamped to [1, D]   (truncated, as the original code does)
+
+How the formula is clamped (docs/reliability.md, "Budget split"): alpha goes below 0 once B is
+more than about 10x T (log2(cr) < -3.33), and T / cr**alpha then falls *below* T: without the
+clamp a larger budget keeps fewer tokens (at B = 100000 a 300-token prompt kept 47). alpha >= 0
+makes cr <= 1 mean "no compression" (capacity = T), and capacity is then non-decreasing in B
+(for cr >= 1, alpha and log(cr) both shrink as B grows). Likewise top_k: once T <= B every slot
+can be read exactly within the budget, so top_k = capacity (not B // 2, which would read fewer
+rows than a smaller budget's plan that had nothing to skip); the step is then exact attention.
+Every other method's split follows the same rule: kept and read tokens are non-decreasing in B,
+equal T once B >= T, and top_k <= capacity (tests/test_plan.py checks it for every method).
 
 Decisions where the formula is silent (documented here and in docs/design.md):
 - capacity never exceeds T (no compression is ever an expansion).
@@ -92,7 +102,7 @@ def paper_split(config, prompt_len: int, max_new: int, head_dim: int) -> dict:
   if config.alpha is not None:
     alpha = float(config.alpha)
   else:
-    alpha = min(0.2 + 0.06 * math.log2(cr), 0.8)
+    alpha = max(min(0.2 + 0.06 * math.log2(cr), 0.8), 0.0)  # >= 0: module docstring
   capacity = max(int(t / cr**alpha), min(2 * max_new, t))
   capacity = min(capacity, t)
   if config.capacity is not None:
@@ -104,7 +114,10 @@ def paper_split(config, prompt_len: int, max_new: int, head_dim: int) -> dict:
   prompt_budget = min(max(prompt_budget, config.window_size), prompt_len)
   if config.capacity is None:
     capacity = prompt_budget + max_new
-  top_k = config.top_k if config.top_k is not None else max(b // 2, 1)
+  if config.top_k is not None:
+    top_k = min(config.top_k, capacity)
+  else:  # B // 2, or the whole cache once it fits in the budget (module docstring)
+    top_k = capacity if t <= b else max(b // 2, 1)
   cr2 = max(1.0, capacity / b)
   chunk = config.chunk_size or max(1, min(math.floor(cr2), math.ceil(math.sqrt(cr2))))
   # Truncation, as the original RocketKV code derives r (`int(D * chunk / cr2)`).

@@ -89,6 +89,8 @@ class KVCache:
     overflow: [B] bool, True once an append found the sequence full.
     chunk_size: static, slots per summary chunk (0: no summaries are kept).
     dtype_name: static, the logical dtype of k, v and the bounds.
+    method: static, the method whose `rocketkv.prefill` made it ("" when built directly):
+      `decode_step` / `select` refuse a plan of another method.
   """
 
   k_raw: jax.Array
@@ -100,6 +102,7 @@ class KVCache:
   overflow: jax.Array
   chunk_size: int = struct.field(pytree_node=False, default=1)
   dtype_name: str = struct.field(pytree_node=False, default="float32")
+  method: str = struct.field(pytree_node=False, default="")
 
   @property
   def dtype(self):

@@ -14,9 +14,12 @@ prefill keeps every prompt token.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
-from rocketkv_jax import _impl, methods
-from rocketkv_jax._checks import require
+from rocketkv_jax import _impl, layer_scan, methods
+from rocketkv_jax._checks import check_lengths, require, require_int, require_rank
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache
 from rocketkv_jax.evict import check_prefill_inputs
@@ -27,11 +30,92 @@ def _check_plan(plan) -> None:
   require(isinstance(plan, Plan), f"plan must be a Plan from rocketkv.plan(), got {type(plan)}")
 
 
-def _is_dense(method, plan: Plan, layer: int | None) -> bool:
-  if layer is not None:
-    require(isinstance(layer, int) and not isinstance(layer, bool) and layer >= 0,
-            f"layer must be an int >= 0 or None, got {layer!r}")
-  return layer is not None and layer in method.dense_layers(plan)
+def _is_cache(x) -> bool:
+  return isinstance(x, KVCache)
+
+
+def _tag(state, method: str):
+  """`state` with every `KVCache` in it marked as made by `method` (static metadata)."""
+  return jax.tree.map(lambda c: c.replace(method=method) if _is_cache(c) else c, state,
+                      is_leaf=_is_cache)
+
+
+def _check_state(state, plan: Plan) -> None:
+  """ValueError when a `KVCache` in `state` was made by another method's `prefill`."""
+  made = {c.method for c in jax.tree.leaves(state, is_leaf=_is_cache) if _is_cache(c)} - {""}
+  require(made <= {plan.method}, f"cache must come from a {plan.method!r} prefill (the plan's "
+          f"method), got one made by {sorted(made)}")
+
+
+def last_valid_window(q: jax.Array, lengths: jax.Array | None, window: int) -> jax.Array:
+  """The queries of the last `window` *valid* tokens of each row of a right-padded batch.
+
+  Args:
+    q: [B, Hq, L, D] the prompt's post-RoPE queries, right-padded.
+    lengths: [B] valid tokens per row (None: all L).
+    window: W, normally `plan.window_size`.
+  Returns:
+    [B, Hq, min(W, L), D]: row b holds the queries of positions lengths[b]-W .. lengths[b]-1
+    (clamped at position 0 when lengths[b] < W: stage 1 masks those) -- what `prefill` expects
+    as `q_window`. Not the last W columns of the padded array, which are padding for a row
+    shorter than L.
+  """
+  require_rank("q", q, 4, "[B, Hq, L, D]")
+  require_int("window", window, 1)
+  b, _, l, _ = q.shape
+  if lengths is None:
+    lengths = jnp.full((b,), l, jnp.int32)
+  else:
+    check_lengths(lengths, b, l)
+  return jnp.take_along_axis(q, window_positions(lengths, l, window)[:, None, :, None], axis=2)
+
+
+def window_positions(lengths: jax.Array, length: int, window: int) -> jax.Array:
+  """`[B, min(W, L)]` int32 positions of the last W valid tokens of each row (clamped to
+  [0, L-1]); `[:, -1]` is lengths - 1."""
+  w = min(window, length)
+  idx = jnp.asarray(lengths, jnp.int32)[:, None] - w + jnp.arange(w, dtype=jnp.int32)[None, :]
+  return jnp.clip(idx, 0, length - 1)
+
+
+def _is_dense(method, plan: Plan, layer):
+  """Whether `layer` is one of the method's dense layers: a Python bool for an int `layer`, a
+  traced bool for an integer scalar array (the index a scan over layers carries as data).
+
+  None is accepted only where the plan has no dense layers: for Quest or `skip_layers` it
+  would silently make a dense layer sparse (a scan over layers that drops its index)."""
+  dense = tuple(method.dense_layers(plan))
+  if layer is None:
+    require(not dense, f"layer must be this layer's index (an int, or the traced index in a "
+            f"scan over layers) for method {plan.method!r} with dense layers {list(dense)}, "
+            f"got None")
+    return False
+  if isinstance(layer, (jax.Array, np.ndarray, np.generic)):
+    require(layer.ndim == 0 and np.issubdtype(layer.dtype, np.integer),
+            f"layer must be an int >= 0 or an integer scalar array, got {layer!r}")
+    return jnp.isin(layer, jnp.asarray(dense, jnp.int32)) if dense else False
+  require(isinstance(layer, int) and not isinstance(layer, bool) and layer >= 0,
+          f"layer must be an int >= 0 or an integer scalar array, got {layer!r}")
+  return layer in dense
+
+
+def _by_layer(fn, dense, plan: Plan):
+  """`fn(dense)` for a Python bool; for a traced one (a scanned layer index), `lax.cond` over
+  both when they build states of one structure (Quest's), else a ValueError: a dense layer
+  whose state differs (`skip_layers`) cannot be a step of a scan over the others."""
+  if isinstance(dense, bool):
+    return fn(dense)
+  with layer_scan.suspended():  # the branches write their own copies (no stacked-carry views)
+    try:
+      a, b = (jax.eval_shape(lambda d=d: fn(d)) for d in (True, False))
+      same = jax.tree.structure(a) == jax.tree.structure(b) and jax.tree.leaves(a) == \
+          jax.tree.leaves(b)
+    except ValueError:
+      same = False
+    require(same, f"layer must be a Python int for method {plan.method!r} with dense layers "
+            f"{list(methods.get(plan.method).dense_layers(plan))}: their state differs from the "
+            f"other layers', so they cannot be scanned with them (run them outside the scan)")
+    return lax.cond(dense, lambda: fn(True), lambda: fn(False))
 
 
 def prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
@@ -40,24 +124,35 @@ def prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
 
   Args:
     k, v: [B, Hkv, L, D] prompt keys (post-RoPE) and values, right-padded.
-    q_window: [B, Hq, W, D] post-RoPE queries of the last W valid prompt tokens
-      (W = min(plan.window_size, L)); only methods with stage 1 read them.
+    q_window: [B, Hq, W, D] post-RoPE queries of the last W *valid* prompt tokens of each
+      row, W = min(plan.window_size, L) (ValueError otherwise): `last_valid_window(q, lengths,
+      plan.window_size)`. Only methods with stage 1 read them.
     plan: from `rocketkv.plan`.
-    lengths: [B] valid prompt lengths (None: all L).
+    lengths: [B] valid prompt lengths (None: all L), integers in [1, L]. Checked (ValueError)
+      when concrete; a traced `lengths` (inside `jax.jit`) is not read on the host: values
+      outside [1, L] are clamped to it.
     impl: "auto" | "xla" | "pallas" for the stage-1 scoring.
-    layer: this layer's index, or None, as for `decode_step`: a layer the method keeps dense
+    layer: this layer's index, as for `decode_step`: a layer the method keeps dense
       (`Method.dense_layers`, e.g. RocketKV's `skip_layers`) keeps every prompt token. Pass the
-      same `layer` to both; None: not a dense layer.
+      same `layer` to both (see there for None and a traced index).
   Returns:
     The method's state: a `KVCache` (an `MTState` for "rocketkv_mt", a `LowRankState` for
     stage2="lowrank"; any pytree in general).
   """
   _check_plan(plan)
   check_prefill_inputs(k, v, q_window, plan, lengths)
+  # (evict alone also takes a shorter window: a later turn's, `rocketkv.begin_turn`)
+  w, l = q_window.shape[2], k.shape[2]
+  require(w == min(plan.window_size, l), f"q_window length W={w} must equal "
+          f"min(plan.window_size, L) = {min(plan.window_size, l)} (the last W valid queries)")
   _impl.check(impl)
   method = methods.get(plan.method)
-  return method.prefill(k, v, q_window, plan, lengths=lengths, impl=impl,
-                        dense=_is_dense(method, plan, layer))
+  if lengths is not None:  # concrete values were checked above; traced ones are clamped
+    lengths = jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 1, k.shape[2])
+  state = _by_layer(lambda dense: method.prefill(k, v, q_window, plan, lengths=lengths,
+                                                 impl=impl, dense=dense),
+                    _is_dense(method, plan, layer), plan)
+  return _tag(state, plan.method)
 
 
 def decode_step(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache, plan: Plan, *,
@@ -68,10 +163,16 @@ def decode_step(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache, plan: P
   Args:
     q: [B, Hq, D] the new token's query (post-RoPE).
     k_new, v_new: [B, Hkv, 1, D] its key (post-RoPE) and value; dtype of the cache.
-    cache: the method's state from `prefill` / a previous step.
+    cache: the method's state from `prefill` / a previous step (ValueError if that `prefill`
+      had a plan of another method).
     plan: the static plan (pass it as a static jit argument).
-    layer: this layer's index, or None. The method decides which layers stay dense
-      (`Method.dense_layers`, e.g. Quest's first two); None: none of them.
+    layer: this layer's index. The method decides which layers stay dense
+      (`Method.dense_layers`, e.g. Quest's first two). An int; or an integer scalar array, the
+      index a scan over stacked layers carries as data: Quest's dense layers then run under
+      `lax.cond` (both branches compiled), while a plan whose dense layers hold a state of
+      another structure (`skip_layers`) raises ValueError (run those layers outside the scan).
+      None only for a plan without dense layers (ValueError otherwise: a scan that drops the
+      index would silently make a dense layer sparse).
     sliding_window: Mistral v0.1 window, or None.
     impl: "auto" | "xla" | "pallas".
   Returns:
@@ -82,9 +183,11 @@ def decode_step(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache, plan: P
     require(isinstance(sliding_window, int) and sliding_window >= 1,
             f"sliding_window must be an int >= 1 or None, got {sliding_window!r}")
   _impl.check(impl)
+  _check_state(cache, plan)
   method = methods.get(plan.method)
-  return method.decode_step(q, k_new, v_new, cache, plan, dense=_is_dense(method, plan, layer),
-                            sliding_window=sliding_window, impl=impl)
+  return _by_layer(lambda dense: method.decode_step(q, k_new, v_new, cache, plan, dense=dense,
+                                                    sliding_window=sliding_window, impl=impl),
+                   _is_dense(method, plan, layer), plan)
 
 
 def select(q: jax.Array, cache, plan: Plan, *, sliding_window: int | None = None,
@@ -105,6 +208,7 @@ def select(q: jax.Array, cache, plan: Plan, *, sliding_window: int | None = None
     picked, and the rest of the row points at invalid slots, which `attend` masks.
   """
   _check_plan(plan)
+  _check_state(cache, plan)
   method = methods.get(plan.method)
   check_query(q, cache if isinstance(cache, KVCache) else method.view(cache))
   _impl.check(impl)

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from rocketkv_jax import _impl
-from rocketkv_jax._checks import (group_size, require, require_float, require_int_array,
-                                  require_rank)
+from rocketkv_jax._checks import check_lengths, group_size, require, require_float, require_rank
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, from_kept
 from rocketkv_jax.ops import gather_rows, group_queries, masked_softmax, sink_recent_indices
@@ -86,9 +85,7 @@ def check_prefill_inputs(k, v, q_window, plan: Plan, lengths) -> None:
           f"plan.capacity={plan.capacity} must be >= the kept prompt tokens "
           f"{min(plan.prompt_budget, l)}")
   if lengths is not None:
-    require(getattr(lengths, "shape", None) == (b,), f"lengths must have shape [B]={(b,)}, "
-            f"got {getattr(lengths, 'shape', None)}")
-    require_int_array("lengths", lengths)
+    check_lengths(lengths, b, l)
 
 
 def evict(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,

@@ -64,6 +64,14 @@ def _active(scope: _Scope):
     _LOCAL.scope = outer
 
 
+@contextlib.contextmanager
+def suspended():
+  """No active scope inside: `write_rows` writes the buffer it is given (for code traced in a
+  nested trace, such as a `lax.cond` branch, which must not write the scan's stacked carry)."""
+  with _active(None):
+    yield
+
+
 def write_rows(buf: jax.Array, write: Callable[[jax.Array, tuple], jax.Array]) -> jax.Array:
   """`write(target, lead)` -> the updated target, where `lead` is the index tuple to put before
   `buf`'s own indices: `()` and `target = buf` normally; `(layer,)` and the stacked leaf when

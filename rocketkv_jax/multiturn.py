@@ -54,4 +54,5 @@ def begin_turn(state: MTState, k_turn: jax.Array, v_turn: jax.Array, q_window: j
     return MTState(full=full, view=None)
   view = evict(full.k, full.v, q_window, plan, lengths=full.length, impl=impl)
   # evict() numbers slots by their index in `full`, which is the absolute position there.
-  return MTState(full=full, view=plan.stage2.prefill(view.replace(seen=full.seen), plan))
+  return MTState(full=full, view=plan.stage2.prefill(
+      view.replace(seen=full.seen, method=full.method), plan))

@@ -111,11 +111,13 @@ def test_sparse_methods_attend_to_selected_slots(method):
   kp = k.copy()
   kp[1, :, 37:] = 0
   state = rocketkv.prefill(jnp.asarray(kp[:, :, :l]), jnp.asarray(v[:, :, :l]),
-                           jnp.asarray(q[:, :, l - 4:l]), plan, lengths=jnp.asarray(lengths))
+                           jnp.asarray(q[:, :, l - 4:l]), plan, lengths=jnp.asarray(lengths),
+                           layer=2)  # not one of Quest's dense layers (0, 1)
   kn = np.stack([k[i, :, lengths[i]:lengths[i] + 1] for i in range(2)])
   vn = np.stack([v[i, :, lengths[i]:lengths[i] + 1] for i in range(2)])
   qn = np.stack([q[i, :, lengths[i]] for i in range(2)])
-  out, new = rocketkv.decode_step(jnp.asarray(qn), jnp.asarray(kn), jnp.asarray(vn), state, plan)
+  out, new = rocketkv.decode_step(jnp.asarray(qn), jnp.asarray(kn), jnp.asarray(vn), state, plan,
+                                  layer=2)
   idx = np.asarray(rocketkv.select(jnp.asarray(qn), new, plan))
   assert idx.shape[-1] == plan.top_k
   for i in range(2):

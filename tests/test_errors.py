@@ -179,3 +179,61 @@ def test_missing_optional_extras_say_what_to_install():
   assert r.returncode == 1
   assert r.stderr.strip().splitlines()[-1] == (
       'ImportError: the plots need matplotlib: pip install -e ".[eval]"')
+
+
+@pytest.mark.parametrize("lengths", [[-5], [0], [65], [500]])
+def test_prefill_rejects_lengths_out_of_range(lengths):
+  """Issue 41: -5 gave cache.length -4, 500 > L wrote the new token at position 500."""
+  k, v, qw = _arrays()
+  with pytest.raises(ValueError, match=r"lengths must be in \[1, L=64\]") as e:
+    rocketkv.prefill(k, v, qw, PLAN, lengths=jnp.array(lengths, jnp.int32))
+  assert "\n" not in str(e.value)
+
+
+def test_traced_lengths_are_clamped():
+  """Under jit the values cannot be checked without a host sync: they are clamped to [1, L]."""
+  import jax
+  import numpy as np
+  rng = np.random.default_rng(0)
+  k = jnp.asarray(rng.standard_normal((2, 2, 64, 16)), jnp.float32)
+  qw = jnp.asarray(rng.standard_normal((2, 4, 8, 16)), jnp.float32)
+  f = jax.jit(lambda ln: rocketkv.prefill(k, k, qw, PLAN, lengths=ln))
+  cache = f(jnp.array([-5, 500], jnp.int32))
+  np.testing.assert_array_equal(np.asarray(cache.seen), [1, 64])
+  np.testing.assert_array_equal(np.asarray(cache.length), [1, PLAN.prompt_budget])
+
+
+@pytest.mark.parametrize("w", [4, 16])
+def test_prefill_rejects_q_window_not_the_plans_window(w):
+  k, v, _ = _arrays()
+  with pytest.raises(ValueError, match=r"q_window length W=\d+ must equal min\(plan.window_size"):
+    rocketkv.prefill(k, v, jnp.zeros((1, 4, w, 16)), PLAN)
+
+
+@pytest.mark.parametrize("made,used", [("rocketkv", "snapkv"), ("snapkv", "rocketkv"),
+                                       ("rocketkv", "rocketkv_mt"), ("quest", "sparq")])
+def test_state_of_another_method_is_rejected(made, used):
+  k, v, qw = _arrays()
+  plans = {m: rocketkv.plan(rocketkv.RocketConfig(token_budget=32, window_size=8, method=m),
+                            64, 4, 16) for m in (made, used)}
+  state = rocketkv.prefill(k, v, qw, plans[made], layer=2)  # not one of Quest's dense layers
+  q, kn = jnp.zeros((1, 4, 16)), jnp.zeros((1, 2, 1, 16))
+  with pytest.raises(ValueError, match=f"cache must come from a '{used}' prefill") as e:
+    rocketkv.decode_step(q, kn, kn, state, plans[used], layer=2)
+  assert "\n" not in str(e.value)
+  if used != "rocketkv_mt":
+    with pytest.raises(ValueError, match=f"cache must come from a '{used}' prefill"):
+      rocketkv.select(q, state, plans[used])
+
+
+def test_last_valid_window_takes_each_rows_last_valid_queries():
+  """Issue 41 item 3: the padded array's last W columns are padding for a shorter row."""
+  import numpy as np
+  q = np.arange(2 * 1 * 10 * 2, dtype=np.float32).reshape(2, 1, 10, 2)
+  got = np.asarray(rocketkv.last_valid_window(jnp.asarray(q), jnp.array([10, 6]), 4))
+  np.testing.assert_array_equal(got[0], q[0, :, 6:10])
+  np.testing.assert_array_equal(got[1], q[1, :, 2:6])
+  got = np.asarray(rocketkv.last_valid_window(jnp.asarray(q), jnp.array([10, 2]), 4))
+  np.testing.assert_array_equal(got[1], q[1, :, [0, 0, 0, 1]].transpose(1, 0, 2))
+  with pytest.raises(ValueError, match=r"lengths must be in \[1, L=10\]"):
+    rocketkv.last_valid_window(jnp.asarray(q), jnp.array([10, 11]), 4)

@@ -166,3 +166,60 @@ def test_scan_layers_rejects_a_changed_state_structure():
 
   with pytest.raises(ValueError, match="structure"):
     layer_scan.scan_layers(fn, jnp.float32(0), jnp.zeros((2, 3)), jnp.arange(2))
+
+
+def _layers_data(n=4, b=2, hkv=2, g=2, l=24, d=8, seed=0):
+  rng = np.random.default_rng(seed)
+  f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+  return (f(n, b, hkv, l, d), f(n, b, hkv, l, d), f(n, b, hkv * g, 4, d), f(n, b, hkv * g, d),
+          f(n, b, hkv, 1, d), jnp.array([24, 13], jnp.int32))
+
+
+def test_quest_scanned_with_a_traced_layer_index_equals_the_unrolled_loop():
+  """Issue 41: a user scanning over layers passed layer=None and Quest's dense layers 0, 1 ran
+  sparse. The traced index carries them as data: the scan equals the unrolled loop."""
+  k, v, qw, q, kn, lengths = _layers_data()
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=8, window_size=4, page_size=4,
+                                             method="quest"), 24, 1, 8)
+  unrolled = [rocketkv.decode_step(q[i], kn[i], kn[i], rocketkv.prefill(
+      k[i], v[i], qw[i], plan, lengths=lengths, layer=i), plan, layer=i)[0] for i in range(4)]
+
+  def body(_, xs):
+    i, kk, vv, qq, qn, kk_new = xs
+    state = rocketkv.prefill(kk, vv, qq, plan, lengths=lengths, layer=i)
+    return None, rocketkv.decode_step(qn, kk_new, kk_new, state, plan, layer=i)[0]
+
+  _, scanned = jax.jit(lambda *a: lax_scan(body, a))(jnp.arange(4, dtype=jnp.int32), k, v, qw,
+                                                     q, kn)
+  np.testing.assert_allclose(np.asarray(scanned), np.stack(unrolled), rtol=1e-6, atol=1e-6)
+  sparse = rocketkv.decode_step(q[0], kn[0], kn[0], rocketkv.prefill(
+      k[0], v[0], qw[0], plan, lengths=lengths, layer=2), plan, layer=2)[0]
+  assert not np.allclose(np.asarray(sparse), np.asarray(unrolled[0]))  # layer 0 is dense
+
+
+def lax_scan(body, xs):
+  return jax.lax.scan(body, None, xs)
+
+
+@pytest.mark.parametrize("method,kw", [("quest", {}), ("rocketkv", dict(skip_layers=1))])
+def test_layer_none_with_dense_layers_raises_one_line(method, kw):
+  k, v, qw, q, kn, lengths = _layers_data()
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=8, window_size=4, page_size=4,
+                                             method=method, **kw), 24, 1, 8)
+  with pytest.raises(ValueError, match="layer must be this layer's index") as e:
+    rocketkv.prefill(k[0], v[0], qw[0], plan, lengths=lengths)
+  assert "\n" not in str(e.value)
+  state = rocketkv.prefill(k[0], v[0], qw[0], plan, lengths=lengths, layer=3)
+  with pytest.raises(ValueError, match="layer must be this layer's index"):
+    rocketkv.decode_step(q[0], kn[0], kn[0], state, plan)
+
+
+def test_skip_layers_with_a_traced_layer_index_raises_one_line():
+  """skip_layers' dense layers hold a state of another structure: no scan can carry them."""
+  k, v, qw, q, kn, lengths = _layers_data()
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=8, window_size=4, skip_layers=1),
+                       24, 1, 8)
+  with pytest.raises(ValueError, match="layer must be a Python int for method 'rocketkv'") as e:
+    jax.jit(lambda i: rocketkv.prefill(k[0], v[0], qw[0], plan, lengths=lengths, layer=i))(
+        jnp.int32(1))
+  assert "\n" not in str(e.value)

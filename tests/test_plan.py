@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rocketkv_jax as rocketkv
+from rocketkv_jax import methods
 from reference import plan_split
 
 
@@ -34,7 +35,8 @@ def test_matches_formula_when_compressing(prompt, new, budget, d):
 def test_no_compression_keeps_everything():
   p = rocketkv.plan(rocketkv.RocketConfig(token_budget=4096), 1000, 20, 64)
   assert p.prompt_budget == 1000 and p.capacity == 1020
-  assert (p.chunk_size, p.r, p.top_k) == (1, 64, 2048)
+  # T = 1020 <= B: every slot is read (top_k = capacity, not B // 2 = 2048 > capacity).
+  assert (p.chunk_size, p.r, p.top_k) == (1, 64, 1020)
 
 
 def test_tiny():
@@ -68,9 +70,10 @@ def test_plan_invariants(prompt, new, budget, d):
   assert 32 <= p.prompt_budget <= prompt or p.prompt_budget == prompt
   assert p.capacity == p.prompt_budget + new
   assert p.capacity <= prompt + new
-  assert 1 <= p.r <= d and p.chunk_size >= 1 and p.top_k == budget // 2
+  assert 1 <= p.r <= d and p.chunk_size >= 1
+  assert p.top_k == (budget // 2 if budget < prompt + new else p.capacity)
   cap, pb, _, chunk, r = plan_split(prompt, new, budget, d)
-  if 32 <= pb <= prompt and cap <= prompt + new:
+  if 32 <= pb <= prompt and cap <= prompt + new and budget < prompt + new:  # alpha >= 0.2
     assert (p.capacity, p.prompt_budget, p.chunk_size, p.r) == (cap, pb, chunk, r)
 
 
@@ -86,3 +89,55 @@ def test_baseline_plans(method, budget, expect):
   p = rocketkv.plan(rocketkv.RocketConfig(token_budget=budget, method=method), 1000, 10, 64)
   for key, val in expect.items():
     assert getattr(p, key) == val, key
+
+
+# The issue-41 measurements: with the paper's alpha unclamped (below 0 for B > ~10 T) a larger
+# budget kept fewer tokens: 300-token prompt -> 281 kept at B=4096, 47 at B=100000.
+@pytest.mark.parametrize("budget", [3000, 4096, 100_000])
+def test_large_budget_keeps_everything(budget):
+  p = rocketkv.plan(rocketkv.RocketConfig(token_budget=budget), 300, 0, 64)
+  assert (p.prompt_budget, p.capacity, p.top_k) == (300, 300, 300)
+  p = rocketkv.plan(rocketkv.RocketConfig(token_budget=budget), 106, 8, 16)
+  assert (p.prompt_budget, p.capacity, p.top_k) == (106, 114, 114)
+
+
+def _kept_read(method, p):
+  """(tokens the cache holds after the last step, K/V tokens the last step reads)."""
+  m = methods.get(method)
+  kept = min(p.prompt_budget, p.prompt_len) + p.max_new_tokens
+  return kept, m.tokens_read(p, min(p.prompt_budget, p.prompt_len), p.max_new_tokens)
+
+
+METHOD_SPECS = sorted(rocketkv.METHODS) + ["rocketkv:rerank", "rocketkv:lowrank",
+                                            "rocketkv:quant", "rocketkv_mt:quant"]
+
+
+@given(prompt=st.integers(1, 5000), new=st.integers(0, 300), window=st.integers(1, 64),
+       budgets=st.lists(st.integers(1, 12_000), min_size=2, max_size=6),
+       d=st.sampled_from([8, 64, 128]))
+@settings(max_examples=60, deadline=None)
+def test_more_budget_never_keeps_or_reads_less(prompt, new, window, budgets, d):
+  """Every method: kept and read are non-decreasing in B, equal T once B >= T; plans valid."""
+  t = prompt + new
+  budgets = sorted(set(budgets) | {t, t + 1, 10 * t + 7})
+  for spec in METHOD_SPECS:
+    method, _, stage2 = spec.partition(":")
+    prev = (0, 0)
+    for b in budgets:
+      try:
+        cfg = rocketkv.RocketConfig(token_budget=b, method=method, window_size=window,
+                                    stage2=stage2 or "minmax", lowrank_rank=min(8, d))
+      except ValueError:  # B below the method's minimum (window, 2, sink): no plan at all
+        assert b < max(window, 2, 5)
+        continue
+      p = rocketkv.plan(cfg, prompt, new, d)
+      kept, read = _kept_read(method, p)
+      assert p.capacity >= kept and 0 <= p.top_k <= p.capacity, (spec, b, p)
+      assert p.chunk_size >= 1 or p.chunk_size == 0 and (
+          method in ("full", "snapkv", "exact_topk", "streamingllm")
+          or stage2 in ("lowrank", "quant")), (spec, b, p)
+      assert 1 <= p.r <= d
+      assert kept >= prev[0] and read >= prev[1], (spec, b, prev, (kept, read))
+      if b >= t and method != "full":
+        assert (kept, read) == (t, t), (spec, b, p)
+      prev = (kept, read)

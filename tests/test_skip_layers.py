@@ -261,7 +261,7 @@ def test_bad_skip_layers_raise_before_tracing():
     llama.prefill(_model().params, jnp.zeros((1, 60), jnp.int32), jnp.array([60]), config=CFG,
                   plan=plan)
   k = jnp.zeros((1, HKV, L, D))
-  with pytest.raises(ValueError, match="layer must be an int >= 0 or None"):
+  with pytest.raises(ValueError, match="layer must be an int >= 0 or an integer scalar array"):
     rocketkv.prefill(k, k, jnp.zeros((1, HKV * G, 4, D)),
                      rocketkv.plan(_config("rocketkv", SKIP), L, NEW, D), layer=-1)
   assert variants.parse("rocketkv:skip_layers=2") == ("rocketkv", {"skip_layers": 2})

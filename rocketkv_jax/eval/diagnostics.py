@@ -46,12 +46,17 @@ def _mass(probs, pos, ok):
 
 @functools.partial(jax.jit, static_argnames=("plan",))
 def _recall(k, v, qw, lengths, *, plan):
+  # Every layer as a sparse one (the dense layers' rows are set below): the first layer index
+  # the method does not keep dense.
+  dense_set = set(methods_lib.get(plan.method).dense_layers(plan))
+  sparse = min(set(range(len(dense_set) + 1)) - dense_set)
+
   def one(_, xs):
     kk, vv, qq = xs
     kk, vv = kk[:, :, :plan.prompt_len], vv[:, :, :plan.prompt_len]  # a pass with capacity
     q = qq[:, :, -1]
     probs = _exact_probs(q, kk, lengths)
-    state = rocketkv.prefill(kk, vv, qq, plan, lengths=lengths)
+    state = rocketkv.prefill(kk, vv, qq, plan, lengths=lengths, layer=sparse)
     cache = methods_lib.get(plan.method).view(state)
     kept_ok = jnp.arange(cache.capacity)[None, None, :] < cache.length[:, None, None]
     kept = _mass(probs, cache.pos, kept_ok)

@@ -146,9 +146,10 @@ def _build_stack(k, v, qw, lengths, plan, config=None) -> llama.LayerStack:
   slices of the arguments copies those slices first.)"""
   prompt = lambda x: x[:, :, :plan.prompt_len]  # the prompt's slots of `[B, Hkv, C, D]`
 
-  def one(_, i):  # layer i's slices read inside the body: a slice of the arguments is a copy
+  def one(_, i, lo):  # layer i's slices read inside the body: a slice of the arguments is a copy
     kk, vv, qq = (lax.dynamic_index_in_dim(x, i, keepdims=False) for x in (k, v, qw))
-    return None, rocketkv.prefill(prompt(kk), prompt(vv), qq, plan, lengths=lengths)
+    # `layer=lo`: the run's first layer stands for each of its layers (none of them dense)
+    return None, rocketkv.prefill(prompt(kk), prompt(vv), qq, plan, lengths=lengths, layer=lo)
 
   dense = methods_lib.get(plan.method).dense_layers(plan)
   sliding = () if config is None else config.window_layers  # a hybrid's: bounded, no method
@@ -162,9 +163,9 @@ def _build_stack(k, v, qw, lengths, plan, config=None) -> llama.LayerStack:
                                      lengths=lengths, layer=lo))
     elif hi == lo + 1:
       groups.append(rocketkv.prefill(prompt(k[lo]), prompt(v[lo]), qw[lo], plan,
-                                     lengths=lengths))
+                                     lengths=lengths, layer=lo))
     else:
-      groups.append(lax.scan(one, None, jnp.arange(lo, hi))[1])
+      groups.append(lax.scan(functools.partial(one, lo=lo), None, jnp.arange(lo, hi))[1])
   return llama.LayerStack(groups=tuple(groups), spans=spans)
 
 

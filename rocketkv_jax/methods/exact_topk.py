@@ -20,8 +20,9 @@ class ExactTopK(Method):
   dense = False
 
   def split(self, config, prompt_len, max_new_tokens, head_dim):
+    # B tokens, at most the whole cache (budget.py: top_k <= capacity).
     return dict(full_split(prompt_len, max_new_tokens, head_dim),
-                top_k=config.top_k or config.token_budget)
+                top_k=min(config.top_k or config.token_budget, prompt_len + max_new_tokens))
 
   def select(self, q, cache, plan, *, sliding_window=None, impl="auto"):
     k = min(plan.top_k, cache.capacity)

@@ -24,7 +24,7 @@ class Quest(Method):
 
   def split(self, config, prompt_len, max_new_tokens, head_dim):
     return dict(full_split(prompt_len, max_new_tokens, head_dim),
-                top_k=config.top_k or config.token_budget,
+                top_k=min(config.top_k or config.token_budget, prompt_len + max_new_tokens),
                 chunk_size=config.chunk_size or config.page_size)
 
   def select(self, q, cache, plan, *, sliding_window=None, impl="auto"):

@@ -21,8 +21,10 @@ class SparQ(Method):
   def split(self, config, prompt_len, max_new_tokens, head_dim):
     b, t = config.token_budget, prompt_len + max_new_tokens
     r = config.r or min(max(round(head_dim * b / t), 1), head_dim)
-    return dict(full_split(prompt_len, max_new_tokens, head_dim),
-                top_k=config.top_k or max(b // 2, 1), chunk_size=1, r=r)
+    # B // 2 exact reads; every token once they all fit in the budget (as budget.paper_split).
+    top_k = config.top_k or (t if t <= b else max(b // 2, 1))
+    return dict(full_split(prompt_len, max_new_tokens, head_dim), top_k=min(top_k, t),
+                chunk_size=1, r=r)
 
   def select(self, q, cache, plan, *, sliding_window=None, impl="auto"):
     return approx_select(q, cache, plan, sliding_window=sliding_window, impl=impl)

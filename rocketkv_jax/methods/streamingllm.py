@@ -29,7 +29,8 @@ class StreamingLLM(Method):
     pb = config.prompt_budget or config.token_budget
     pb = min(max(pb, 1), prompt_len)
     return dict(capacity=pb + max_new_tokens, prompt_budget=pb,
-                top_k=config.top_k or config.token_budget, chunk_size=0, r=head_dim)
+                top_k=min(config.top_k or config.token_budget, pb + max_new_tokens), chunk_size=0,
+                r=head_dim)
 
   def prefill(self, k, v, q_window, plan, *, lengths=None, impl="auto", dense=False):
     del dense  # no dense layers
