@@ -71,7 +71,8 @@ def test_core_api_fuzz(data):
   layer = draw(st.sampled_from([None, 0, 1, 2, 3]), "layer")
   kw = dict(token_budget=budget, method=name, window_size=window,
             page_size=draw(st.integers(1, 4)), sink_size=draw(st.integers(0, 3)),
-            stage2=stage2 or "minmax", lowrank_page_size=4, lowrank_rank=2,
+            stage2=rocketkv.LowRank(page_size=4, rank=2) if stage2 == "lowrank"
+            else stage2 or "minmax",
             skip_layers=draw(st.integers(0, 2)) if method.accepts_skip_layers else 0)
   cfg, err = _call(rocketkv.RocketConfig, **kw)
   if err:

@@ -125,8 +125,9 @@ def test_more_budget_never_keeps_or_reads_less(prompt, new, window, budgets, d):
     prev = (0, 0)
     for b in budgets:
       try:
+        s2 = rocketkv.LowRank(rank=min(8, d)) if stage2 == "lowrank" else stage2 or "minmax"
         cfg = rocketkv.RocketConfig(token_budget=b, method=method, window_size=window,
-                                    stage2=stage2 or "minmax", lowrank_rank=min(8, d))
+                                    stage2=s2)
       except ValueError:  # B below the method's minimum (window, 2, sink): no plan at all
         assert b < max(window, 2, 5)
         continue
