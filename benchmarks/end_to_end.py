@@ -40,6 +40,9 @@ import sys
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# Run as a script, this folder is sys.path[0], where kernels.py would shadow the PyPI package
+# `kernels` that transformers imports.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 
 def _prompt_ids(tokenizer, n: int) -> list[int]:

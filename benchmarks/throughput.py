@@ -82,6 +82,9 @@ import tempfile
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# Run as a script, this folder is sys.path[0], where kernels.py would shadow the PyPI package
+# `kernels` that transformers imports.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 _ROOT = os.path.dirname(_HERE)
 RUNS_DIR = os.path.join(_ROOT, "runs")
 METHODS = ("full", "snapkv", "rocketkv", "transformers")
