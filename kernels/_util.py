@@ -11,9 +11,24 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from rocketkv_jax._checks import group_size, require, require_rank
+
 # Triton needs power-of-two tensor sizes; its tensor-core dots need every dim >= 16.
 MIN_DIM = 16
 NEG_INF = float("-inf")
+
+
+def check_decode_qkv(q, k, v) -> tuple[int, int, int, int]:
+  """One-line ValueErrors unless q is [B, Hq, D] and k, v are [B, Hkv, C, D] with Hkv | Hq;
+  returns (B, Hkv, C, D)."""
+  require_rank("q", q, 3, "[B, Hq, D]")
+  require_rank("k", k, 4, "[B, Hkv, C, D]")
+  require(k.shape == v.shape, f"k and v must have the same shape, got {k.shape} and {v.shape}")
+  b, hkv, c, d = k.shape
+  require(q.shape[0] == b and q.shape[2] == d,
+          f"q must have shape [B={b}, Hq, D={d}], got {q.shape}")
+  group_size(q.shape[1], hkv, "q")
+  return b, hkv, c, d
 
 
 def next_pow2(n: int) -> int:

@@ -6,25 +6,26 @@ partition and scatter, clip / mask / encode the slots, attention kernel, split-K
 H200 that chain costs ~45 us per layer for ~1 MB read, whatever the context
 (results/kernels_h200.md): launches, not bytes. Here it is two kernels, grid (batch, KV head):
 
-1. `rocketkv_fused_chunk_scores`: the top-r dims by |q| summed over the group (as ranks: dim d is kept when
-   fewer than r dims come before it, ties to the lower dim, as `lax.top_k`), each dim's bound
-   row (kmax where the group-summed q > 0, else kmin), SparQ's scale, the chunk logits from just
-   those r rows of `bounds`, the masked softmax per query head and the group sum: two passes over
-   the chunks (running max / sum, then the scores; the second reads the same r rows again, from
-   L2). Writes `scores [B, Hkv, NCp]` fp32 (4 bytes per chunk).
-2. `rocketkv_fused_select_attend`: the selection of `select.top_slots` without a sort: the first `top_k` valid
-   slots in (score desc, chunk asc, slot asc) order are the valid slots of the chunks whose score
-   bits exceed a threshold t*, then of the chunks scoring exactly t* below a chunk index i*, then
-   the first `partial` valid slots of chunk i*. t* and i* come from two bisections over the
-   scores (scores are >= 0, so their int32 bit patterns order like the floats), each step a count
-   of valid slots. Then one pass over the chunks in blocks: for each slot offset j < chunk_size,
-   the selected slots' K / V rows are loaded with a row mask (unselected rows issue no memory
-   reads), and an online softmax accumulates the G query heads (repeated to the 16 rows of a
-   tensor-core dot). Writes the output rows [G, D] of its KV head straight into `[B, Hq, D]`.
+1. `rocketkv_fused_chunk_scores`: the top-r dims by |q| summed over the group (as ranks: dim d
+   is kept when fewer than r dims come before it, ties to the lower dim, as `lax.top_k`), each
+   dim's bound row (kmax where the group-summed q > 0, else kmin), SparQ's scale, the chunk
+   logits from just those r rows of `bounds`, the masked softmax per query head and the group
+   sum: two passes over the chunks (running max / sum, then the scores; the second reads the
+   same r rows again, from L2). Writes `scores [B, Hkv, NCp]` fp32 (4 bytes per chunk).
+2. `rocketkv_fused_select_attend`: the selection of `select.top_slots` without a sort: the first
+   `top_k` valid slots in (score desc, chunk asc, slot asc) order are the valid slots of the
+   chunks whose score bits exceed a threshold t*, then of the chunks scoring exactly t* below a
+   chunk index i*, then the first `partial` valid slots of chunk i*. t* and i* come from two
+   bisections over the scores (scores are >= 0, so their int32 bit patterns order like the
+   floats), each step a count of valid slots. Then one pass over the chunks in blocks: for each
+   slot offset j < chunk_size, the selected slots' K / V rows are loaded with a row mask
+   (unselected rows issue no memory reads), and an online softmax accumulates the G query heads
+   (repeated to the 16 rows of a tensor-core dot). Writes the output rows [G, D] of its KV head
+   straight into `[B, Hq, D]`.
 
 `stage2="quant"` swaps kernel 1 for `rocketkv_fused_quant_scores` (every slot scored from its
-packed key codes, `methods/stage2/quant.slot_logits_xla`, then the same softmax and group sum) and runs
-kernel 2 with chunks of one slot (`fused_quant_attend`).
+packed key codes, `methods/stage2/quant.slot_logits_xla`, then the same softmax and group sum)
+and runs kernel 2 with chunks of one slot (`fused_quant_attend`).
 
 Only prefix-valid caches (no sliding window) take this path; `rocketkv_jax.fused_step` decides.
 The kernels equal the XLA path: `select.approx_bounds_scores_xla` + `select.top_slots` (or
@@ -43,9 +44,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from rocketkv_jax._checks import group_size, require, require_rank
+from rocketkv_jax._checks import require, require_rank
 
-from ._util import NEG_INF, cdiv, compiler_params, dot_precision, next_pow2, padded_dim, safe_max
+from ._util import (NEG_INF, cdiv, check_decode_qkv, compiler_params, dot_precision, next_pow2,
+                    padded_dim, safe_max)
 
 _INF_BITS = 0x7F800000  # int32 bits of +inf: every finite score >= 0 has bits below it
 
@@ -261,13 +263,7 @@ def supported(d: int) -> bool:
 
 
 def _check(q, k, v, bounds, length, chunk_size, r, top_k):
-  require_rank("q", q, 3, "[B, Hq, D]")
-  require_rank("k", k, 4, "[B, Hkv, C, D]")
-  require(k.shape == v.shape, f"k and v must have the same shape, got {k.shape} and {v.shape}")
-  b, hkv, c, d = k.shape
-  require(q.shape[0] == b and q.shape[2] == d,
-          f"q must have shape [B={b}, Hq, D={d}], got {q.shape}")
-  group_size(q.shape[1], hkv, "q")
+  b, hkv, c, d = check_decode_qkv(q, k, v)
   require(supported(d), f"fused decode needs a head dim that is a power of two >= 16, got {d}")
   require(isinstance(chunk_size, int) and chunk_size >= 1,
           f"chunk_size must be an int >= 1, got {chunk_size!r}")

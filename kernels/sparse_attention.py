@@ -23,11 +23,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from rocketkv_jax._checks import group_size, require, require_rank
+from rocketkv_jax._checks import require, require_rank
 from rocketkv_jax.ops import group_queries
 
-from ._util import (NEG_INF, cdiv, compiler_params, dot_precision, next_pow2, padded_dim,
-                    safe_max)
+from ._util import (NEG_INF, cdiv, check_decode_qkv, compiler_params, dot_precision, next_pow2,
+                    padded_dim, safe_max)
 
 # Aim for about this many programs per call (an H200 has 132 SMs); splits are capped so each
 # still has at least one block of slots.
@@ -76,14 +76,8 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, *out_refs, block_k: int, num_blocks: i
 
 
 def _check(q, k, v, idx, valid):
-  require_rank("q", q, 3, "[B, Hq, D]")
-  require_rank("k", k, 4, "[B, Hkv, C, D]")
+  b, hkv, c, d = check_decode_qkv(q, k, v)
   require_rank("idx", idx, 3, "[B, Hkv, K]")
-  require(k.shape == v.shape, f"k and v must have the same shape, got {k.shape} and {v.shape}")
-  b, hkv, c, d = k.shape
-  require(q.shape[0] == b and q.shape[2] == d,
-        f"q must have shape [B={b}, Hq, D={d}], got {q.shape}")
-  group_size(q.shape[1], hkv, "q")
   require(idx.shape[:2] == (b, hkv) and idx.shape[2] >= 1,
         f"idx must have shape [B={b}, Hkv={hkv}, K>=1], got {idx.shape}")
   require(valid.shape == idx.shape, f"valid must have idx's shape {idx.shape}, got {valid.shape}")

@@ -285,12 +285,10 @@ class _Inputs:
   ids: list[list[int]]  # the caller's prompts (no "dp" padding)
   lengths: np.ndarray  # [len(ids)] their lengths
   rows: int  # the batch the programs run (len(ids) padded up to a multiple of "dp")
-  longest: int
-  length: int  # the padded prompt length the plan is for (>= longest)
+  length: int  # the padded prompt length the plan is for (>= every prompt's)
   max_new_tokens: int
   eos_token_ids: Sequence[int]
   plan: Any
-  method_obj: Any
   out_sharding: Any
   prefill_args: tuple  # (params, tokens, lengths, key, sampler)
   eos: Any
@@ -306,7 +304,7 @@ def _prepare(model, prompts, *, method, token_budget, max_new_tokens, temperatur
     raise ValueError(f"temperature must be >= 0, got {temperature}")
   if not 0.0 < top_p <= 1.0:
     raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-  method_obj = methods.get(method if rocket_config is None else rocket_config.method)
+  methods.get(method if rocket_config is None else rocket_config.method)  # a known method
   config = model.config
   ids = _encode_prompts(model, prompts, chat)
   lengths = np.array([len(p) for p in ids], np.int32)
@@ -345,9 +343,9 @@ def _prepare(model, prompts, *, method, token_budget, max_new_tokens, temperatur
                            for x in (tokens, row_lengths))
     key, eos = (sharding_lib.global_array(x, out_sharding) for x in (key, eos))
     sampler = jax.tree.map(lambda x: sharding_lib.global_array(x, out_sharding), sampler)
-  return _Inputs(ids=ids, lengths=lengths, rows=rows, longest=longest, length=length,
+  return _Inputs(ids=ids, lengths=lengths, rows=rows, length=length,
                  max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, plan=plan,
-                 method_obj=method_obj, out_sharding=out_sharding,
+                 out_sharding=out_sharding,
                  prefill_args=(model.params, tokens_j, lengths_j, key, sampler), eos=eos)
 
 
@@ -517,4 +515,5 @@ def generate(
   text = None
   if model.tokenizer is not None:
     text = [model.tokenizer.decode(t) for t in result_tokens]
-  return GenerationResult(tokens=result_tokens, text=text, stats=_stats(inp, run, result_tokens, model.config))
+  return GenerationResult(tokens=result_tokens, text=text,
+                          stats=_stats(inp, run, result_tokens, model.config))
