@@ -38,7 +38,7 @@ Entry points:
   * `turn_prefill(params, caches, tokens, turn_lengths)` -- a later turn's prompt run densely
     over per-layer caches (multi-turn evaluation; not for hybrid models).
 Building blocks, public for other model-level code: `embed`, `qkv`, `attn_residual`,
-`mlp_residual`, `unembed`, `window_indices`, `window_cache`, `window_decode`, `layer_reads`,
+`mlp_residual`, `unembed`, `window_cache`, `window_decode`, `layer_reads`,
 `state_view`.
 """
 
@@ -229,11 +229,6 @@ def forward(params: Params, tokens: jnp.ndarray, *, config: ModelConfig,
   return unembed(params, config, x)
 
 
-# `[B, W]` padded indices of the last W valid tokens of each sequence (clamped at 0): the core's,
-# which `rocketkv.last_valid_window` gathers the window queries with.
-window_indices = window_positions
-
-
 def _last_token_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, lengths: jnp.ndarray,
                           sliding_window: int | None) -> jnp.ndarray:
   """Attention of each sequence's last valid token: q `[B, Hq, Dh]` over k, v `[B, Hkv, L, Dh]`
@@ -271,7 +266,7 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
   """
   b, length = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-  widx = window_indices(lengths, length, window)  # [B, W]; widx[:, -1] = lengths - 1
+  widx = window_positions(lengths, length, window)  # [B, W]; widx[:, -1] = lengths - 1
   kv_dtype = params["embed"].dtype  # K/V reach `per_layer` in the parameter dtype
   params = compute_params(params)
   n = config.num_layers
@@ -595,7 +590,7 @@ def turn_prefill(params: Params, caches, tokens: jnp.ndarray, turn_lengths: jnp.
   b, t = tokens.shape
   seen = caches[0].seen
   positions = seen[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  widx = window_indices(turn_lengths, t, window)
+  widx = window_positions(turn_lengths, t, window)
   tvalid = jnp.arange(t)[None, :] < turn_lengths[:, None]
   x = embed(params, config, tokens)
   layers = params["layers"]

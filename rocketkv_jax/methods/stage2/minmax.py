@@ -14,7 +14,7 @@ from rocketkv_jax import fused_step
 from rocketkv_jax._checks import require
 from rocketkv_jax.cache import KVCache
 from rocketkv_jax.methods.stage2.base import Stage2
-from rocketkv_jax.select import approx_scores, check_chunks, top_chunk_slots
+from rocketkv_jax.methods.sparq import approx_select
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,9 +24,7 @@ class MinMax(Stage2):
   def select(self, q, state, plan, *, sliding_window=None, impl="auto"):
     require(isinstance(state, KVCache),
             f"a stage2={self.name!r} plan needs a KVCache, got a {type(state).__name__}")
-    check_chunks(state, plan.chunk_size)
-    chunk = approx_scores(q, state, plan.r, impl=impl)
-    return top_chunk_slots(chunk, state, min(plan.top_k, state.capacity), sliding_window)
+    return approx_select(q, state, plan, sliding_window=sliding_window, impl=impl)
 
   def attend(self, q, state, plan, *, sliding_window=None, impl="auto"):
     # Two kernels on a GPU where the cache allows (fused_step.py); else select, then attend.
