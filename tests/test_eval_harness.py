@@ -238,3 +238,27 @@ def test_runner_releases_its_programs_only_when_mappings_are_crowded(monkeypatch
   assert runner.release_if_crowded() and not runner._futures
   monkeypatch.setattr(runner_mod, "memory_mappings", lambda: (0, 0))  # unknown: never
   assert not runner.release_if_crowded()
+
+
+def test_prompt_format_resolves_and_rejects():
+  """"auto" prompts in the chat template when the tokenizer has one, else in completion form
+  (a base model); multi-turn needs a template; unknown formats are refused before any run."""
+  import types
+
+  from rocketkv_jax.eval import harness, tasks
+
+  chat_model = types.SimpleNamespace(tokenizer=types.SimpleNamespace(chat_template="{{x}}"))
+  base_model = types.SimpleNamespace(tokenizer=types.SimpleNamespace(chat_template=None))
+  cfg = harness.SweepConfig(tasks=("niah_single",))
+  assert harness.prompt_format(chat_model, cfg) == "chat"
+  assert harness.prompt_format(base_model, cfg) == "completion"
+  assert isinstance(harness.sweep_tokenizer(base_model, cfg), tasks.CompletionFormat)
+  assert harness.sweep_tokenizer(chat_model, cfg) is chat_model.tokenizer
+  forced = harness.SweepConfig(tasks=("niah_single",), prompt_format="chat")
+  assert harness.prompt_format(base_model, forced) == "chat"
+  with pytest.raises(ValueError, match="prompt_format must be one of"):
+    harness.SweepConfig(prompt_format="plain")
+  with pytest.raises(ValueError, match="multiturn"):
+    harness.SweepConfig(tasks=("multiturn",), prompt_format="completion")
+  with pytest.raises(ValueError, match="multiturn"):
+    harness.sweep_tokenizer(base_model, harness.SweepConfig(tasks=("multiturn",)))

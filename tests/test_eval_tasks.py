@@ -85,6 +85,32 @@ def test_answer_prefix_starts_the_assistant_turn():
   assert "fisherman" not in p and "magic" not in p
 
 
+def test_completion_form_for_base_models():
+  """prompt_format "completion": the message as a document, the answer prefix on a new line,
+  then ":" (niah_single: its own prefix, then ":"); the token target still holds; a multi-turn
+  conversation needs a chat template."""
+  comp = tasks.formatted(TOK, "completion")
+  assert tasks.formatted(TOK, "chat") is TOK
+  for task in tasks.TASKS:
+    s = tasks.make_sample(comp, task, 1500, 1)
+    ids = tasks.prompt_ids(comp, s)
+    assert len(ids) == s.meta["prompt_tokens"] <= 1500
+    text = TOK.decode(ids)
+    assert "<u>" not in text and "<a>" not in text
+    if s.answer_prefix:
+      assert text == s.prompt + "\n" + s.answer_prefix + ("" if s.answer_prefix.endswith(":")
+                                                           else ":")
+    else:
+      assert text == s.prompt + ":" and s.prompt.endswith("mentioned in the provided text is")
+  assert (tasks.make_sample(comp, "passkey", 1500, 1).answers ==
+          tasks.make_sample(TOK, "passkey", 1500, 1).answers)
+  with pytest.raises(ValueError, match="one user message"):
+    comp.apply_chat_template([{"role": "user", "content": "a"},
+                              {"role": "assistant", "content": "b"}])
+  with pytest.raises(ValueError, match="prompt_format must be one of"):
+    tasks.formatted(TOK, "plain")
+
+
 def test_passkey_depth_grid_and_bad_task():
   depths = [tasks.make_sample(TOK, "passkey", 800, i).meta["depth"] for i in range(5)]
   assert depths == list(tasks.NIAH_DEPTHS)

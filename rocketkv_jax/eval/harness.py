@@ -5,7 +5,8 @@
     results = run_sweep(model, cfg)          # {"config", "plans", "records", "timing"}
     report.write_all(results, "results/")     # JSON + Markdown + plots
 
-Per (task, length): the samples are generated (seeded), chat-templated, right-padded to one
+Per (task, length): the samples are generated (seeded), chat-templated (or in completion form
+for a base model: `SweepConfig.prompt_format`), right-padded to one
 static length P = min(length, context - max_new_tokens) and cut into batches of `batch_size`
 (the last batch is filled with copies of its last prompt, whose outputs are dropped), so every
 batch of a (task, length) has the same shape and each (method, budget) compiles once per
@@ -86,6 +87,9 @@ class SweepConfig:
   decode: bool = True  # False: prompt passes (+ diagnostics) only, no records
   gold_score: bool = True  # teacher-forced gold answer score per record (`gold_*` fields)
   precompile: bool = True  # compile each group's decode programs on 2 background threads
+  # "chat": the model's chat template; "completion": the message as a document to continue
+  # (base models); "auto": chat when the tokenizer has a template, else completion.
+  prompt_format: str = "auto"
 
   def __post_init__(self):
     for m in self.methods:
@@ -103,6 +107,28 @@ class SweepConfig:
       raise ValueError(f"sample_start must be >= 0, got {self.sample_start}")
     if self.quest_page_size < 1:
       raise ValueError(f"quest_page_size must be >= 1, got {self.quest_page_size}")
+    if self.prompt_format not in tasks_lib.PROMPT_FORMATS + ("auto",):
+      raise ValueError(f"prompt_format must be one of {tasks_lib.PROMPT_FORMATS + ('auto',)}, "
+                       f"got {self.prompt_format!r}")
+    if self.prompt_format == "completion" and tasks_lib.MULTITURN_TASK in self.tasks:
+      raise ValueError("tasks: 'multiturn' needs a chat template; it cannot run with "
+                       "prompt_format='completion'")
+
+
+def prompt_format(model, cfg: SweepConfig) -> str:
+  """The format a sweep prompts `model` in: `cfg.prompt_format`, "auto" resolved."""
+  if cfg.prompt_format != "auto":
+    return cfg.prompt_format
+  return "chat" if getattr(model.tokenizer, "chat_template", None) else "completion"
+
+
+def sweep_tokenizer(model, cfg: SweepConfig):
+  """The model's tokenizer, wrapped for completion form where the sweep prompts in it."""
+  fmt = prompt_format(model, cfg)
+  if fmt == "completion" and tasks_lib.MULTITURN_TASK in cfg.tasks:
+    raise ValueError("tasks: 'multiturn' needs a chat template, and this model's tokenizer has "
+                     "none")
+  return tasks_lib.formatted(model.tokenizer, fmt)
 
 
 def max_new_tokens_for(cfg: SweepConfig, task: str, metric: str | None = None) -> int:
@@ -226,7 +252,7 @@ class _Progress:
 
 def build_samples(model, cfg: SweepConfig) -> dict:
   """{(task, length): (samples, max_new, padded_len)} for every synthetic / LongBench task."""
-  tok = model.tokenizer
+  tok = sweep_tokenizer(model, cfg)
   out = {}
   for length in cfg.context_lengths:
     for task in cfg.tasks:
@@ -286,7 +312,7 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True, on_group=None, 
     raise ValueError("the evaluation needs a model with a tokenizer (chat template)")
   if resume is not None:
     check_resume(resume, _config_dict(model, cfg))
-  tok = model.tokenizer
+  tok = sweep_tokenizer(model, cfg)
   runner = Runner(model, window_size=cfg.window_size, quest_page_size=cfg.quest_page_size)
   t_start = time.perf_counter()
   groups = build_samples(model, cfg)
@@ -501,6 +527,7 @@ def _config_dict(model, cfg: SweepConfig) -> dict:
                     max_position_embeddings=model.config.max_position_embeddings,
                     dtype=str(model.dtype))
   c["max_new_tokens_per_task"] = {t: max_new_tokens_for(cfg, t) for t in cfg.tasks}
+  c["prompt_format_used"] = prompt_format(model, cfg)
   c["jax_version"] = jax.__version__
   c["greedy"] = True
   return c

@@ -34,6 +34,10 @@ question per turn in the niah_single form (prefix at the end of the user message
 Why each form was chosen (the SmolLM2-135M full-KV measurements behind them): results/sweep.md,
 "Task design notes".
 
+Prompt format: a chat model gets the chat template (above); a base model (Gemma 3 270M) gets
+the same user message in completion form (`CompletionFormat`: BOS, the message, a newline,
+then the answer prefix), so every task reads the same text either way.
+
 Tokenizer interface used here (satisfied by `rocketkv.models.Tokenizer`):
 `encode(text, add_special_tokens=False) -> list[int]` and
 `apply_chat_template(messages, add_generation_prompt=True) -> str`.
@@ -145,17 +149,67 @@ def passkey_filler(rng: np.random.Generator, n: int) -> list[str]:
   return [_PASSKEY_FILLER] * n
 
 
+PROMPT_FORMATS = ("chat", "completion")
+
+
+class CompletionFormat:
+  """A tokenizer whose "chat template" is completion form, for base models: BOS (as the
+  tokenizer adds it) and the user message; an answer prefix follows on a new line
+  (`prompt_ids`), and the prompt ends with ":" ("... The pass key mentioned in the provided
+  text is:"), after which the base model writes the answer rather than more prose (`answer_tail`;
+  checked with full KV only, docs/evaluation.md).
+
+  Multi-turn conversations need a real template: `apply_chat_template` with more than one
+  message raises ValueError.
+  """
+
+  prefix_separator = "\n"  # between the message and an answer prefix (chat: the template's)
+  answer_lead = ":"  # ends every prompt: a base model then writes the answer, not more prose
+
+  def __init__(self, tokenizer):
+    self.tokenizer = tokenizer
+
+  def __getattr__(self, name):  # encode / decode / eos_token_ids ... of the wrapped tokenizer
+    return getattr(self.tokenizer, name)
+
+  def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+    if len(messages) != 1 or messages[0]["role"] != "user":
+      raise ValueError("prompt_format='completion' formats one user message; multi-turn tasks "
+                       "need a chat template (prompt_format='chat')")
+    bos = getattr(self.tokenizer, "bos_token", None) if getattr(
+        self.tokenizer, "add_bos", False) else None
+    return (bos or "") + messages[0]["content"]
+
+
+def formatted(tokenizer, prompt_format: str):
+  """`tokenizer` itself for "chat", or its `CompletionFormat` for "completion"."""
+  if prompt_format not in PROMPT_FORMATS:
+    raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got {prompt_format!r}")
+  return tokenizer if prompt_format == "chat" else CompletionFormat(tokenizer)
+
+
 def chat_ids(tokenizer, user_message: str) -> list[int]:
   """The chat-templated prompt ids (user turn + generation prompt), as `generate(chat=True)`."""
   text = tokenizer.apply_chat_template([{"role": "user", "content": user_message}])
   return tokenizer.encode(text, add_special_tokens=False)
 
 
+def answer_tail(tokenizer, answer_prefix: str) -> str:
+  """The text after the formatted message: the answer prefix (completion form: on a new line,
+  and a ":" after it unless it has one; `CompletionFormat`)."""
+  tail = getattr(tokenizer, "prefix_separator", "") + answer_prefix if answer_prefix else ""
+  lead = getattr(tokenizer, "answer_lead", "")
+  if lead and not answer_prefix.rstrip().endswith(lead):
+    tail += lead
+  return tail
+
+
 def prompt_ids(tokenizer, sample: Sample) -> list[int]:
-  """The ids a sample is decoded from: `chat_ids(prompt)` then the answer prefix's ids."""
+  """The ids a sample is decoded from: `chat_ids(prompt)` then `answer_tail`'s ids."""
   ids = chat_ids(tokenizer, sample.prompt)
-  if sample.answer_prefix:
-    ids = ids + tokenizer.encode(sample.answer_prefix, add_special_tokens=False)
+  tail = answer_tail(tokenizer, sample.answer_prefix)
+  if tail:
+    ids = ids + tokenizer.encode(tail, add_special_tokens=False)
   return ids
 
 
@@ -188,7 +242,8 @@ class _Haystack:
             answer_prefix: str = "") -> tuple[str, int]:
     """make_message(haystack) -> user message. Returns (message, prompt token count), the count
     including `answer_prefix`'s tokens (see `prompt_ids`)."""
-    extra = len(self.tok.encode(answer_prefix, add_special_tokens=False))
+    tail = answer_tail(self.tok, answer_prefix)
+    extra = len(self.tok.encode(tail, add_special_tokens=False)) if tail else 0
     target = self.target - extra
     est = max(8, target // 10)
     sents = self.filler(self.rng, est)
@@ -335,7 +390,7 @@ def make_sample(tokenizer, task: str, context_len: int, index: int, seed: int = 
               "\nQuestion: What are the 5 most common words in the above list?")
 
     pre = "Answer: The top 5 words that appear most often in the list are:"
-    extra = len(tokenizer.encode(pre, add_special_tokens=False))
+    extra = len(tokenizer.encode(answer_tail(tokenizer, pre), add_special_tokens=False))
     target -= extra
     lo, hi = 1, 1
     while len(chat_ids(tokenizer, message(hi))) <= target:
