@@ -1,13 +1,12 @@
 """`load` / `Model` / `smollm2_path` / `gemma3_path`: the user-facing model entry points.
 
     model = rocketkv.models.load(path, dtype=jnp.bfloat16)   # HF directory or .gguf file
-    model.config, model.params, model.tokenizer
+    model.module, model.config, model.params, model.tokenizer   # module: a Flax NNX module
     logits = model.logits(token_ids)                            # [B, T] -> [B, T, V]
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.util
 import os
@@ -17,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rocketkv_jax.models import gguf_loader, hf_loader, llama, sharding
+from rocketkv_jax.models import gguf_loader, hf_loader, llama, nnx_model, sharding
 from rocketkv_jax.models.config import ModelConfig
 from rocketkv_jax.models.errors import CheckpointError, cause
 from rocketkv_jax.models.tokenizer import Tokenizer
@@ -33,21 +32,52 @@ def _forward(params, tokens, *, config, block_size, out_sharding):
   return logits
 
 
-@dataclasses.dataclass
 class Model:
-  """A loaded checkpoint.
+  """A loaded checkpoint: the decoder as a Flax NNX module, with its tokenizer.
 
   Attributes:
-    config: static `ModelConfig`.
-    params: parameter pytree (see `llama` for its layout).
+    module: the decoder, an `nnx.Module` (`nnx_model.CausalLM`) holding the weights as
+      `nnx.Param`s; `nnx.split(model.module)` gives the state a jitted program of one's own
+      takes (docs/design.md, "Models as Flax NNX modules").
+    config: its static `ModelConfig` (the module's).
+    params: the parameter pytree every loop here runs on (see `llama` for its layout): a view
+      of the module's arrays, not a copy.
     tokenizer: `Tokenizer` or None (an HF directory without tokenizer.json).
     source: the path it was loaded from.
+
+  `Model(config, params, tokenizer, source)` wraps a parameter pytree in a new module;
+  `Model(module=m, tokenizer=...)` wraps a module.
   """
 
-  config: ModelConfig
-  params: Any
-  tokenizer: Tokenizer | None = None
-  source: str | None = None
+  def __init__(self, config: ModelConfig | None = None, params: Any = None,
+               tokenizer: Tokenizer | None = None, source: str | None = None, *,
+               module: "nnx_model.CausalLM | None" = None):
+    if (module is None) == (params is None):
+      raise ValueError("Model takes either config and params or module=, not both")
+    if module is None:
+      module = nnx_model.CausalLM(config, params)
+    elif config is not None and config != module.config:
+      raise ValueError("config differs from module.config; leave config out")
+    self.module = module
+    self.tokenizer = tokenizer
+    self.source = source
+
+  @property
+  def config(self) -> ModelConfig:
+    return self.module.config
+
+  @config.setter
+  def config(self, config: ModelConfig) -> None:
+    self.module.config = config
+
+  @property
+  def params(self) -> Any:
+    return self.module.params()
+
+  def __repr__(self) -> str:
+    c = self.config
+    return (f"Model({c.architecture}, {c.num_layers} layers, hidden {c.hidden_size}, "
+            f"{self.dtype}, source={self.source!r})")
 
   @property
   def dtype(self):
@@ -80,6 +110,17 @@ class Model:
         tokens, sharding.batch_sharding(mesh, 2) if on_dp else sharding.replicated(mesh))
     return _forward(self.params, placed, config=self.config, block_size=block_size,
                     out_sharding=sharding.replicated(mesh))
+
+
+def as_model(model) -> Model:
+  """`model` itself, or a bare `nnx_model.CausalLM` module wrapped in a `Model` (without a
+  tokenizer: prompts as token ids)."""
+  if isinstance(model, nnx_model.CausalLM):
+    return Model(module=model)
+  if not isinstance(model, Model):
+    raise ValueError(f"model must be a rocketkv.models.Model or an nnx_model.CausalLM, got "
+                     f"{type(model).__name__}")
+  return model
 
 
 def smollm2_path() -> str:

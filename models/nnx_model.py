@@ -1,18 +1,15 @@
-"""`CausalLM`: the Llama / Mistral / Gemma 3 decoder as a Flax NNX module (issue #38 item 4, a
-first step).
+"""`CausalLM`: the Llama / Mistral / Gemma 3 decoder as a Flax NNX module.
 
-The module holds the weights as `nnx.Param`s with `llama.param_shapes`' names and the static
-`ModelConfig`; its math is `models/llama.py`'s pure functions, which it calls over
-`params()`, the parameter pytree view of its own arrays (no copy). A jitted program takes the
-state from `nnx.split` and rebuilds that pytree inside the trace (`params_from_state`):
+Every loaded model is one (`rocketkv.models.load(path).module`). The module holds the weights
+as `nnx.Param`s with `llama.param_shapes`' names and the static `ModelConfig`; its math is
+`models/llama.py`'s pure functions, which every loop (`generate`, the eval runner, lm-eval,
+tensor parallelism) calls over `params()`, the parameter pytree view of the module's own
+arrays (no copy). A jitted program of one's own takes the state from `nnx.split` and rebuilds
+that pytree inside the trace (`params_from_state`):
 
-    module = CausalLM.from_model(rocketkv.models.load(path))
-    graphdef, state = nnx.split(module)
+    graphdef, state = nnx.split(model.module)
     step = jax.jit(lambda state, cache, tok, pos: llama.decode_step(
-        params_from_state(state), cache, tok, pos, config=module.config, plan=plan))
-
-`rocketkv.generate` and the eval runner still take a `Model` (its params are the same pytree);
-driving their loops from the split state is the rest of that item.
+        params_from_state(state), cache, tok, pos, config=model.config, plan=plan))
 """
 
 from __future__ import annotations
@@ -46,12 +43,10 @@ class CausalLM(nnx.Module):
     self.final_norm = nnx.Param(params["final_norm"])
     if "lm_head" in params:
       self.lm_head = nnx.Param(params["lm_head"])
+    if not isinstance(params["layers"], (list, tuple)):
+      raise ValueError("params['layers'] must be a list of per-layer dicts (what the loaders and "
+                       "llama.init_params make), not layers stacked on one axis")
     self.layers = nnx.List([DecoderLayer(lp) for lp in params["layers"]])
-
-  @classmethod
-  def from_model(cls, model) -> "CausalLM":
-    """From a loaded `rocketkv.models.Model` (its arrays, not copies)."""
-    return cls(model.config, model.params)
 
   def params(self) -> dict[str, Any]:
     """The parameter pytree `models/llama.py` takes (the module's own arrays)."""
@@ -70,6 +65,4 @@ def params_from_state(state) -> dict[str, Any]:
   """`nnx.split(module)`'s state -> the parameter pytree of `models/llama.py` (inside a jit:
   no copy)."""
   pure = nnx.to_pure_dict(state)
-  layers = pure["layers"]
-  out = dict(pure, layers=[layers[i] for i in sorted(layers, key=int)])
-  return out
+  return dict(pure, layers=[pure["layers"][i] for i in sorted(pure["layers"], key=int)])

@@ -86,6 +86,7 @@ from rocketkv_jax.cache import cache_overflow
 from rocketkv_jax.config import RocketConfig, check_num_layers
 from rocketkv_jax.config import plan as make_plan
 from rocketkv_jax.models import llama
+from rocketkv_jax.models.api import as_model
 from rocketkv_jax.models import sharding as sharding_lib
 from rocketkv_jax.models.precision import compute_params
 
@@ -474,7 +475,8 @@ def generate(
   """Generates continuations of `prompts` with the KV method `method`.
 
   Args:
-    model: a `rocketkv.models.Model` (from `rocketkv.models.load`).
+    model: a `rocketkv.models.Model` (from `rocketkv.models.load`), or its NNX module
+      (`model.module`, an `nnx_model.CausalLM`; then prompts are token ids).
     prompts: a string, a list of strings, a list of token ids, or a list of those.
     method: a name from `rocketkv.METHODS` ("full", "exact_topk", "snapkv", "quest", "sparq",
       "streamingllm", "rocketkv", "rocketkv_mt", and any registered later).
@@ -505,6 +507,7 @@ def generate(
   Raises:
     ValueError: bad argument or prompt longer than the context. RuntimeError: cache overflow.
   """
+  model = as_model(model)
   inp = _prepare(model, prompts, method=method, token_budget=token_budget,
                  max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                  eos_token_ids=eos_token_ids, chat=chat, rocket_config=rocket_config,

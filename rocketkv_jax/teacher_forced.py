@@ -50,6 +50,7 @@ from rocketkv_jax.cache import cache_overflow
 from rocketkv_jax.config import RocketConfig
 from rocketkv_jax.config import plan as make_plan
 from rocketkv_jax.models import llama
+from rocketkv_jax.models.api import as_model
 
 
 @dataclasses.dataclass
@@ -154,7 +155,7 @@ def score_continuations(
   """Teacher-forced per-token log-probs of `continuations` after `contexts` under a KV method.
 
   Args:
-    model: a `rocketkv.models.Model`.
+    model: a `rocketkv.models.Model`, or its NNX module (`model.module`).
     contexts: N token id lists (each >= 1 token), prefilled.
     continuations: N token id lists (each >= 1 token), forced through the decode steps.
     method: one of `rocketkv.METHODS`; token_budget: its budget B (ignored by "full").
@@ -174,6 +175,7 @@ def score_continuations(
     ValueError: bad argument, or a context + continuation longer than the model's context.
     RuntimeError: KV cache overflow (cannot happen with a plan made for these lengths).
   """
+  model = as_model(model)
   ctxs = _as_id_lists("contexts", contexts)
   conts = _as_id_lists("continuations", continuations)
   if len(ctxs) != len(conts):

@@ -52,6 +52,7 @@ from rocketkv_jax import methods as methods_lib
 from rocketkv_jax.config import check_num_layers
 from rocketkv_jax.eval import variants
 from rocketkv_jax.models import llama
+from rocketkv_jax.models.api import as_model
 from rocketkv_jax.models.precision import compute_params
 
 
@@ -307,7 +308,7 @@ class Runner:
 
   def __init__(self, model, *, window_size: int = 32, block_size: int = 512,
                eos_token_ids=None, quest_page_size: int = 16):
-    self.model = model
+    self.model = model = as_model(model)
     self.quest_page_size = int(quest_page_size)
     self._futures = _FUTURES  # shared: executables take params as an argument
     self.config = model.config

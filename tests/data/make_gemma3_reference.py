@@ -18,7 +18,7 @@ import torch
 
 TEST_STRING = ("The Apollo 11 mission launched on July 16, 1969. Caf\u00e9 \u00ab sacr\u00e9 \u00bb"
                "\n\n  def fib(n):\treturn n \U0001F680 \u4f60\u597d\u4e16\u754c The pass key is 71432.")
-POSITIONS = (0, 1, 100, 511, 512, 513, 700, -1)
+POSITIONS = (0, 1, 100, 511, 512, 513, 700, 850, -1)
 TOP_K, NUM_IDS, NEW_TOKENS = 32, 512, 64
 
 
@@ -26,7 +26,7 @@ def prompt_text() -> str:
   """A deterministic document (~900 tokens) with a pass key, ending in its cue."""
   towns = ["Aldermoor", "Brightwater", "Cobble Hill", "Dunmere", "Eastfold", "Fairhaven"]
   parts = []
-  for i in range(17):
+  for i in range(24):
     parts.append(f"In {1620 + 7 * i}, the town of {towns[i % 6]} held {i % 9 + 2} markets. "
                  f"Merchants carried goods along the river, and prices rose by {i % 13 + 3} "
                  "percent before the season ended.")
