@@ -156,3 +156,12 @@ def test_nnx_module_split_state_drives_the_jitted_programs():
       model, [tokens[0].tolist()], max_new_tokens=6, eos_token_ids=(),
       rocket_config=rocketkv.RocketConfig(token_budget=16, method="rocketkv", window_size=4))
   assert out == want.tokens[0]
+  # the bare module runs through the same loops (prompts as ids), and replacing its weights
+  # through the split state changes what they compute: the loops read the module's arrays
+  via_module = rocketkv.generate(
+      module, [tokens[0].tolist()], max_new_tokens=6, eos_token_ids=(),
+      rocket_config=rocketkv.RocketConfig(token_budget=16, method="rocketkv", window_size=4))
+  assert via_module.tokens == want.tokens
+  zeroed = jax.tree.map(jnp.zeros_like, state)
+  nnx.update(module, zeroed)
+  assert float(jnp.abs(M.Model(module=module).params["embed"]).max()) == 0.0
