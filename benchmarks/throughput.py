@@ -595,7 +595,8 @@ def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default=None,
-                 help="HF directory or .gguf (default: the embedded SmolLM2-135M)")
+                 help="HF directory or .gguf, or gemma3 (Gemma 3 270M) (default: the embedded "
+                      "SmolLM2-135M)")
   p.add_argument("--lengths", default="4096,8000",
                  help="longest prompt per batch, comma-separated (8000 + 64 new fit in 8192)")
   p.add_argument("--batches", default="1,4,8",
@@ -638,9 +639,9 @@ def _check(a) -> None:
       raise ValueError(f"--{name} must be positive integers")
   if a.new_tokens < 2:
     raise ValueError(f"--new-tokens must be >= 2 (one decode step), got {a.new_tokens}")
-  if a.model is None:
+  if a.model in (None, "gemma3"):
     from rocketkv_jax.models import api
-    a.model = api.smollm2_path()
+    a.model = api.smollm2_path() if a.model is None else api.gemma3_path()
   if not os.path.exists(a.model):
     raise ValueError(f"--model {a.model!r} does not exist")
   if not a.dry_run:
