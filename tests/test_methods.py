@@ -103,6 +103,13 @@ def test_selection_respects_the_budget(name):
   valid = idx < length[:, None, None]
   if method.dense:
     assert plan.top_k == 0 and idx.shape[2] == cache.capacity
+  elif method.shares_read_across_heads:  # the layer's HKV * top_k reads, shared by its heads
+    assert 1 <= plan.top_k <= BUDGET
+    assert idx.shape[2] == min(HKV * plan.top_k, cache.capacity)
+    for b in range(B):
+      sels = [idx[b, h][valid[b, h]] for h in range(HKV)]
+      assert all(len(set(s.tolist())) == len(s) for s in sels)
+      assert sum(map(len, sels)) == HKV * min(plan.top_k, length[b])
   else:
     assert 1 <= plan.top_k <= BUDGET and idx.shape[2] == min(plan.top_k, cache.capacity)
     for b in range(B):

@@ -125,3 +125,43 @@ def test_chunks_of_one_slot_keep_one_copy_of_the_keys(impl):
     p = (p / p.sum(-1, keepdims=True)).sum(1)
     np.testing.assert_allclose(quest[bi, :, :n], p, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(quest[bi, :, n:], 0.0)
+
+
+@pytest.mark.parametrize("budget,hkv", [(12, 3), (40, 3), (12, 1)])
+def test_heads_shared_oracle_takes_the_best_mass_over_heads(budget, hkv):
+  """exact_topk_heads: the layer's Hkv * top_k reads go to the largest exact masses over
+  heads x valid slots (float64 reference), a head may take more or fewer than top_k, no slot
+  twice, and the total is exact_topk's (Hkv = 1: the same read as exact_topk)."""
+  b, g, c, d = 2, 2, 48, 16
+  lengths = [48, 21]
+  plan = _plan("exact_topk_heads", c, d, budget=budget)
+  _, k = _cache(11, b, hkv, c, d, lengths, plan.chunk_size)
+  k = k.copy()
+  k[:, 0] *= 3.0  # head 0's attention peaked, the others' flat: the shares differ
+  cache = rocketkv.full_cache(jnp.asarray(k), jnp.asarray(k), c, plan.chunk_size,
+                              jnp.asarray(lengths, jnp.int32))
+  q = np.random.default_rng(12).standard_normal((b, g * hkv, d)).astype(np.float32)
+  idx = np.asarray(rocketkv.select(jnp.asarray(q), cache, plan))
+  takes = []
+  for bi in range(b):
+    scores = ref.exact_slot_scores(q[bi], k[bi], lengths[bi])  # [Hkv, C], -inf past length
+    total = min(hkv * plan.top_k, hkv * lengths[bi])
+    want = np.sort(scores[np.isfinite(scores)])[::-1][:total].sum()
+    got, n = 0.0, 0
+    for h in range(hkv):
+      row = idx[bi, h]
+      assert len(set(row.tolist())) == len(row)
+      mine = row[row < lengths[bi]]
+      got += scores[h, mine].sum()
+      n += len(mine)
+      takes.append(len(mine))
+    assert n == total
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+  if hkv > 1 and budget == 12:
+    assert len(set(takes)) > 1  # the read moved between heads
+  if hkv == 1:
+    same = np.asarray(rocketkv.select(jnp.asarray(q), cache, _plan("exact_topk", c, d,
+                                                                    budget=budget)))
+    for bi in range(b):
+      a, e = idx[bi, 0], same[bi, 0]
+      assert set(a[a < lengths[bi]].tolist()) == set(e[e < lengths[bi]].tolist())

@@ -17,7 +17,8 @@ everything specific to it:
 and a few class-level facts the harness and `generate` read instead of its name: `summary`
 (what B means for it), `dense`, `uses_budget`, `keeps_full_cache`, `replan_per_turn`,
 `stage2_variants` (the names of the `RocketConfig.stage2` variants it accepts),
-`accepts_skip_layers` (whether `RocketConfig.skip_layers` may be other than 0).
+`accepts_skip_layers` (whether `RocketConfig.skip_layers` may be other than 0),
+`shares_read_across_heads` (its `select` splits the layer's reads among the KV heads).
 
 Dense layers (`dense_layers`: Quest's first two, RocketKV's `skip_layers`) are chosen by the
 method from the layer index that `rocketkv.prefill` / `rocketkv.decode_step` receive as
@@ -56,6 +57,9 @@ class Method:
   stage2_variants: ClassVar[tuple[str, ...]] = ("minmax",)
   # RocketConfig.skip_layers may be > 0: `split` puts it in the Plan, `dense_layers` reads it.
   accepts_skip_layers: ClassVar[bool] = False
+  # `select` shares the layer's Hkv * top_k reads among its KV heads (one head may read more
+  # than top_k): its index array is [B, Hkv, min(Hkv * top_k, C)], the rest marked invalid.
+  shares_read_across_heads: ClassVar[bool] = False
 
   # ---------------------------------------------------------------- configuration
   def check_config(self, config) -> None:
