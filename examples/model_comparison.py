@@ -32,19 +32,19 @@ def _load(paths: list[str]) -> dict:
                              for r in rest])
 
 
-def _cell(row) -> str:
+def _cell(row, gold: bool = True) -> str:
   if row is None:
     return "-"
   d = row["diff"]
   text = f"{d[0]:+.1f} [{d[1]:+.1f}, {d[2]:+.1f}]"
-  if row["logprob_diff"] is not None:
+  if gold and row["logprob_diff"] is not None:
     g = row["logprob_diff"]
     text += f"; {g[0]:+.2f} [{g[1]:+.2f}, {g[2]:+.2f}]"
   return text + f" (n={row['n']})"
 
 
 def table(models: list[tuple[str, dict]], methods: list[str], budget: int, tasks=None,
-          lengths=None) -> str:
+          lengths=None, gold: bool = True) -> str:
   rows = {}
   head_dim = {}
   for name, res in models:
@@ -57,8 +57,9 @@ def table(models: list[tuple[str, dict]], methods: list[str], budget: int, tasks
       if (tasks is None or r["task"] in tasks) and (lengths is None or r["context_len"] in lengths):
         rows[(r["task"], r["context_len"], name, r["method"])] = r
   cells = sorted({(t, n) for t, n, _, _ in rows}, key=lambda c: (c[0], c[1]))
-  out = [f"Method minus full KV at B={budget}: exact match x100 [95% paired-bootstrap interval]; "
-         "gold log-prob per answer token, nats [interval], where recorded; n paired samples.", "",
+  out = [f"Method minus full KV at B={budget}: exact match x100 [95% paired-bootstrap interval]"
+         + ("; gold log-prob per answer token, nats [interval], where recorded" if gold else "")
+         + "; n paired samples.", "",
          "| task | length | model (head dim) | full KV | " + " | ".join(methods) + " |",
          "|---|---|---|---|" + "---|" * len(methods)]
   for task, length in cells:
@@ -68,7 +69,7 @@ def table(models: list[tuple[str, dict]], methods: list[str], budget: int, tasks
         continue
       ref = next(r["ref"] for r in mine if r is not None)
       out.append(f"| {task} | {length // 1024}K | {name} ({head_dim[name]}) | {ref:.1f} | "
-                 + " | ".join(_cell(r) for r in mine) + " |")
+                 + " | ".join(_cell(r, gold) for r in mine) + " |")
   return "\n".join(out)
 
 
@@ -80,12 +81,13 @@ def main(argv=None):
   p.add_argument("--methods", nargs="+", default=["rocketkv", "snapkv"])
   p.add_argument("--tasks", nargs="+", default=None)
   p.add_argument("--lengths", nargs="+", type=int, default=None)
+  p.add_argument("--no-gold", action="store_true", help="exact match only (a narrower table)")
   a = p.parse_args(argv)
   try:
     if any(len(m) < 2 for m in a.model):
       raise ValueError("--model takes a name and at least one results JSON")
     models = [(m[0], _load(m[1:])) for m in a.model]
-    out = table(models, a.methods, a.budget, a.tasks, a.lengths)
+    out = table(models, a.methods, a.budget, a.tasks, a.lengths, gold=not a.no_gold)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None

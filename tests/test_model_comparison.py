@@ -44,6 +44,8 @@ def test_side_by_side_differences(tmp_path):
                       "-50.0 [-100.0, +0.0] (n=4) |")
   assert lines[1] == ("| niah_single | 2K | G (256) | 100.0 | -100.0 [-100.0, -100.0]; "
                       "-1.00 [-1.00, -1.00] (n=4) | - |")
+  narrow = mc.table([("G", mc._load([str(paths[1])]))], ["rocketkv"], 256, gold=False)
+  assert narrow.splitlines()[-1] == "| niah_single | 2K | G (256) | 100.0 | -100.0 [-100.0, -100.0] (n=4) |"
 
 
 def test_bad_calls_exit_2(capsys):
