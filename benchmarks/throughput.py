@@ -8,8 +8,8 @@ transformers' own `generate` (full KV) on the same ragged prompt batches.
     python benchmarks/throughput.py --profile-prefill --lengths 2048 --batches 4
     python benchmarks/throughput.py --dry-run                          # the rows, no runs
 
-Prompts: for a longest prompt of L tokens and batch B, sequence i is the chat-templated
-`niah_single` haystack (`rocketkv_jax/eval/tasks.py`, sample i) of
+Prompts: for a longest prompt of L tokens and batch B, sequence i is the chat-templated (a base
+model without a template: completion-form, `tasks.CompletionFormat`) `niah_single` haystack (`rocketkv_jax/eval/tasks.py`, sample i) of
 `L - floor(0.1 * L * i / B)` tokens, so every batch is ragged over its top 10% of L. A model
 without a tokenizer (tests' tiny checkpoints) gets seeded random ids of the same lengths. The
 parent builds them once (`prompts.json` in --out) and every row reads the same ids.
@@ -169,6 +169,8 @@ def build_prompts(model_path: str, lengths, batches, seed: int = 0) -> dict[str,
   from rocketkv_jax.models import api
 
   config, tok = api.load_config(model_path)
+  if tok is not None:  # a base model (no chat template): the task in completion form
+    tok = tasks.formatted(tok, "chat" if tok.chat_template else "completion")
   out = {}
   for n in lengths:
     for b in batches:
