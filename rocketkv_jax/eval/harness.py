@@ -119,7 +119,8 @@ def prompt_format(model, cfg: SweepConfig) -> str:
   """The format a sweep prompts `model` in: `cfg.prompt_format`, "auto" resolved."""
   if cfg.prompt_format != "auto":
     return cfg.prompt_format
-  return "chat" if getattr(model.tokenizer, "chat_template", None) else "completion"
+  # a tokenizer object without the attribute (a custom one) is taken to template itself
+  return "chat" if getattr(model.tokenizer, "chat_template", True) else "completion"
 
 
 def sweep_tokenizer(model, cfg: SweepConfig):
