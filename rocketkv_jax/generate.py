@@ -305,7 +305,6 @@ def _prepare(model, prompts, *, method, token_budget, max_new_tokens, temperatur
     raise ValueError(f"temperature must be >= 0, got {temperature}")
   if not 0.0 < top_p <= 1.0:
     raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-  methods.get(method if rocket_config is None else rocket_config.method)  # a known method
   config = model.config
   ids = _encode_prompts(model, prompts, chat)
   lengths = np.array([len(p) for p in ids], np.int32)
@@ -507,6 +506,7 @@ def generate(
   Raises:
     ValueError: bad argument or prompt longer than the context. RuntimeError: cache overflow.
   """
+  methods.get(method if rocket_config is None else rocket_config.method)  # before the model
   model = as_model(model)
   inp = _prepare(model, prompts, method=method, token_budget=token_budget,
                  max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
