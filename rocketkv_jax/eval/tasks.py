@@ -35,8 +35,8 @@ Why each form was chosen (the SmolLM2-135M full-KV measurements behind them): re
 "Task design notes".
 
 Prompt format: a chat model gets the chat template (above); a base model (Gemma 3 270M) gets
-the same user message in completion form (`CompletionFormat`: BOS, the message, a newline,
-then the answer prefix), so every task reads the same text either way.
+the same user message in completion form (`CompletionFormat`: BOS, the message, then the
+answer prefix on a new line and a ":"), so every task reads the same text either way.
 
 Tokenizer interface used here (satisfied by `rocketkv.models.Tokenizer`):
 `encode(text, add_special_tokens=False) -> list[int]` and
