@@ -15,6 +15,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -50,7 +51,11 @@ def model_step(model, config, context: int, batch: int, free: int, layout: str =
                            (batch, c.num_heads, plan.window_size, c.head_dim), k.dtype)
     states.append(rocketkv.prefill(k, k, qw, plan, lengths=lengths,
                                    layer=i if i in dense else None))
-  cache = tuple(states) if layout == "layers" else llama.stack_cache(tuple(states), plan)
+  # "stack": as `generate` holds it (`llama.prefill(stacked=True)`): runs of like layers
+  # stacked, except for a method that reads every slot (full KV), whose layers stand alone.
+  alone = tuple(range(c.num_layers)) if methods.get(plan.method).dense else ()
+  cache = (tuple(states) if layout == "layers"
+           else llama.stack_cache(tuple(states), plan, alone=alone))
   params = compute_params(model.params)
   tokens = jnp.zeros((batch,), jnp.int32)
 
@@ -61,7 +66,10 @@ def model_step(model, config, context: int, batch: int, free: int, layout: str =
 
   step = jax.jit(one, donate_argnums=1)
   logits = jnp.zeros((batch, c.vocab_size), jnp.float32)
-  return (lambda state: step(params, state)), (cache, jnp.int32(0), logits), plan, params
+  run = lambda state: step(params, state)
+  # the optimized HLO of the step (`op_kinds`); a compile of its own, for --profile only
+  run.hlo = lambda state: step.lower(params, state).compile().as_text()
+  return run, (cache, jnp.int32(0), logits), plan, params
 
 
 def time_steps(run, state, steps: int, warmup: int = 3):
@@ -94,6 +102,45 @@ def op_profile(run, state, steps: int):
       total[e["name"]] += e.get("dur", 0)
       threads[e["name"]].add(e.get("tid"))
   return collections.Counter({k: v / steps for k, v in total.items()}), threads, state
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) ([\w\-]+)\((.*)$")
+
+
+def op_kinds(hlo: str, us: collections.Counter) -> collections.Counter:
+  """Profiled op times grouped by what the op computes, from the step's optimized `hlo` text:
+  "dot f32[8,1536]" for an op whose fused computation holds a dot of that shape, "TopK" for
+  a custom call, else the op (or its fused computation's root) and its shape, without layout."""
+  bodies, name = {}, None
+  for line in hlo.splitlines():
+    if line.endswith("{") and not line.startswith(" "):
+      name = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+      bodies[name] = []
+    elif name is not None and line.startswith(" "):
+      bodies[name].append(line)
+  kind = {}
+  for line in hlo.splitlines():
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    op_name, shape, op, rest = m.groups()
+    shape = re.sub(r"\{[^}]*\}", "", shape)
+    called = re.search(r"calls=%?([\w.\-]+)", rest)
+    target = re.search(r'custom_call_target="([^"]+)"', rest)
+    body = bodies.get(called.group(1), []) if called else []
+    dots = [d.group(1) for d in (re.search(r"= (\S+) dot\(", b) for b in body) if d]
+    if target:
+      kind[op_name] = target.group(1)
+    elif op == "dot" or dots:
+      kind[op_name] = "dot " + re.sub(r"\{[^}]*\}", "", dots[-1] if dots else shape)
+    else:
+      root = [r for r in body if r.lstrip().startswith("ROOT ")]
+      rm = _INSTR.match(root[0]) if root else None
+      kind[op_name] = f"{rm.group(3) if rm else op} {shape}"
+  out = collections.Counter()
+  for op_name, t in us.items():
+    out[kind.get(op_name, op_name)] += t
+  return out
 
 
 def profile_lines(us: collections.Counter, threads, top: int) -> list[str]:

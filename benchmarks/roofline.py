@@ -380,6 +380,10 @@ def main(argv=None) -> int:
             f"overhead: compare ops with each other; with --layout stack the layer scan's "
             f"while op encloses the per-layer ops, so they count twice in the sum):")
       print("\n".join(decode_steps.profile_lines(us, threads, a.top)))
+      kinds = decode_steps.op_kinds(run.hlo(state), us)
+      print(f"\nthe same, by what each op computes (the {a.top} largest):")
+      for k, t in kinds.most_common(a.top):
+        print(f"{t:11.1f}  {k}")
     del run, state
 
   pre = []

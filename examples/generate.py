@@ -407,8 +407,11 @@ def resolve_dtype(name: str) -> tuple[str, str]:
     return "float32", f", auto: float32 on {jax.default_backend()}; --dtype bfloat16 to change"
   if precision.native_bf16_cpu():
     return "bfloat16", ", auto: XLA runs bf16 dots natively on this CPU; --dtype float32 to change"
-  return "float32", (", auto: XLA runs no bf16 dots natively on this CPU (it converts them to "
-                     "fp32), so bf16 would compute in fp32; --dtype bfloat16 halves the KV cache")
+  # The evidence (docs/cpu_performance.md, "bf16 on CPU", end_to_end.py): where XLA converts
+  # bf16 dots to fp32, bf16 weights prefill at fp32's speed and decode 1.02-1.29x slower.
+  return "float32", (", auto: XLA computes bf16 dots in fp32 on this CPU, where bf16 measured no "
+                     "faster (prefill 1.0x fp32's time, decode 1.02-1.29x: "
+                     "docs/cpu_performance.md); --dtype bfloat16 halves the KV cache")
 
 
 def load(args, job: _Job, mesh=None):

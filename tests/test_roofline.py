@@ -140,3 +140,54 @@ def test_quick_prints_the_table_and_writes_json(tmp_path):
 def test_argument_errors_are_one_line(args, message):
   r = _run(*args)
   assert r.returncode == 2 and r.stderr.strip() == message, r.stderr
+
+
+GAPS = SCRIPT.parent / "xla_cpu_gaps.py"
+
+
+def test_xla_cpu_gaps_quick_prints_every_reproducer():
+  r = subprocess.run([sys.executable, str(GAPS), "--quick", "--repeats", "2"],
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr
+  rows = [ln.split(" | ") for ln in r.stdout.splitlines() if ln.startswith("| ") and " x " in ln]
+  names = [row[0] for row in rows]
+  assert sum(n.startswith("| matmul [1, 32] x 3 weights") for n in names) == 2  # both layouts
+  assert sum(n.startswith("| matmul [4, 32]") for n in names) == 2
+  assert sum("dense attention" in n for n in names) == 2 and "top_k k=8" in names[-1]
+  for row in rows[:-1]:  # ms, GB/s, the plain read's GB/s, their ratio
+    ms, gbs, read = (float(x) for x in row[1:4])
+    assert ms > 0 and gbs > 0 and read > 0
+    assert float(row[4].rstrip(" |x")) == pytest.approx(read / gbs, rel=0.3)  # 1 decimal
+
+
+def test_xla_cpu_gaps_rejects_zero_repeats():
+  r = subprocess.run([sys.executable, str(GAPS), "--repeats", "0"], capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 2 and r.stderr.strip() == "error: --repeats must be >= 1"
+
+
+def test_op_kinds_groups_ops_by_what_they_compute():
+  """decode_steps.op_kinds on a compiled program: a fused dot is named by the dot's shape, a
+  top_k by its custom call; times of ops of one kind add up."""
+  import re
+  import jax
+  import jax.numpy as jnp
+
+  sys.path.insert(0, str(SCRIPT.parent))
+  try:
+    import decode_steps
+  finally:
+    sys.path.pop(0)
+  f = jax.jit(lambda x, w: (jnp.tanh(x @ w), jax.lax.top_k(x[0], 3)[1]))
+  hlo = f.lower(jnp.ones((2, 8)), jnp.ones((8, 4))).compile().as_text()
+  names = re.findall(r"^\s*(?:ROOT )?%?([\w.\-]+) = ", hlo, re.M)
+  us = collections_counter({n: 1.0 for n in names})
+  kinds = decode_steps.op_kinds(hlo, us)
+  assert kinds["dot f32[2,4]"] >= 1.0
+  assert kinds["TopK"] == 1.0
+  assert sum(kinds.values()) == pytest.approx(len(names))
+
+
+def collections_counter(d):
+  import collections
+  return collections.Counter(d)

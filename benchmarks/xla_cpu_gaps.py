@@ -1,0 +1,151 @@
+"""The smallest reproducers of where XLA:CPU runs a decode step above its floor (issue #40).
+
+Each row times one kind of op the decode step is made of, over many separate buffers (so that
+the reads come from memory, as in a step, not from a cache that one buffer would fit in), next
+to a plain jitted sum over the same bytes (what reading them costs here):
+
+    skinny matmul   [M, D] x `--layers` separate [D, F] weights, M = the decode batch: the
+                    projections and the MLP at batch M (SmolLM2: D 576, F 1536)
+    dense attention [B, Hkv, G, D] queries over separate [B, Hkv, C, D] K and V caches: the
+                    two batched products of full-KV decode attention
+    top-k           lax.top_k of k = 128 over [rows, N] scores (stage 2's selection)
+
+    python benchmarks/xla_cpu_gaps.py                  # SmolLM2's shapes; ~1 minute
+    python benchmarks/xla_cpu_gaps.py --quick          # tiny shapes: the tool's logic only
+    XLA_FLAGS=--xla_cpu_use_xnnpack=true python benchmarks/xla_cpu_gaps.py   # a flag's effect
+
+Results and what they mean: docs/roofline.md, "Where the gaps go".
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+
+def _timed(fn, *args, repeats: int) -> float:
+  """Median seconds of `fn(*args)` after one warm-up call (compile)."""
+  import jax
+
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def _buffers(shape, n, seed):
+  import jax
+  import jax.numpy as jnp
+
+  return [jax.random.normal(jax.random.PRNGKey(seed + i), shape, jnp.float32) for i in range(n)]
+
+
+def _read_s(bufs, repeats):
+  """Seconds to read every buffer once (a jitted sum of each)."""
+  import jax
+  import jax.numpy as jnp
+
+  return _timed(jax.jit(lambda xs: [jnp.sum(x) for x in xs]), bufs, repeats=repeats)
+
+
+def skinny_matmul_rows(d, f, layers, batches, repeats):
+  """Per batch M: the weights' GB/s when multiplied at M rows (layout [D, F] and [F, D])."""
+  import jax
+  import jax.numpy as jnp
+
+  kn = _buffers((d, f), layers, 0)
+  nk = [jnp.asarray(w.T) for w in kn]
+  gb = sum(w.nbytes for w in kn) / 1e9
+  read = gb / _read_s(kn, repeats)
+
+  def chain(fmt):
+    def run(x, ws):
+      for w in ws:  # each product feeds the next: XLA cannot merge or reorder them
+        y = x @ w if fmt == "kn" else jnp.einsum("md,fd->mf", x, w)
+        x = x + 1e-3 * y[:, :d]
+      return x
+    return jax.jit(run)
+
+  rows = []
+  for m in batches:
+    x = jax.random.normal(jax.random.PRNGKey(99), (m, d), jnp.float32)
+    for fmt, ws in (("[D, F]", kn), ("[F, D]", nk)):
+      s = _timed(chain("kn" if ws is kn else "nk"), x, ws, repeats=repeats)
+      rows.append((f"matmul [{m}, {d}] x {layers} weights {fmt}", s, gb / s, read))
+  return rows
+
+
+def attention_rows(batch, hkv, g, c, d, layers, repeats):
+  """Dense decode attention (scores, softmax, values) over `layers` separate caches."""
+  import jax
+  import jax.numpy as jnp
+
+  ks, vs = _buffers((batch, hkv, c, d), layers, 0), _buffers((batch, hkv, c, d), layers, 100)
+  gb = 2 * sum(k.nbytes for k in ks) / 1e9
+  read = gb / _read_s(ks + vs, repeats)
+
+  def run(q, ks, vs):
+    for k, v in zip(ks, vs):
+      s = jnp.einsum("bhgd,bhcd->bhgc", q, k) / jnp.sqrt(jnp.float32(d))
+      p = jnp.exp(s - jnp.max(s, -1, keepdims=True))
+      out = jnp.einsum("bhgc,bhcd->bhgd", p, v) / jnp.sum(p, -1, keepdims=True)
+      q = q + 1e-3 * out
+    return q
+
+  q = jax.random.normal(jax.random.PRNGKey(7), (batch, hkv, g, d), jnp.float32)
+  s = _timed(jax.jit(run), q, ks, vs, repeats=repeats)
+  return [(f"dense attention B={batch} Hkv={hkv} G={g} C={c} D={d} x {layers} layers", s,
+           gb / s, read)]
+
+
+def topk_rows(rows, n, k, layers, repeats):
+  """lax.top_k over `layers` separate [rows, n] score arrays: us per call."""
+  import jax
+  from jax import lax
+
+  xs = _buffers((rows, n), layers, 0)
+  s = _timed(jax.jit(lambda xs: [lax.top_k(x, k)[1] for x in xs]), xs, repeats=repeats)
+  return [(f"top_k k={k} of [{rows}, {n}] x {layers}", s, None, None)]
+
+
+def _parser():
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--quick", action="store_true", help="tiny shapes (CI: the logic only)")
+  p.add_argument("--repeats", type=int, default=10)
+  return p
+
+
+def main(argv=None) -> int:
+  a = _parser().parse_args(argv)
+  if a.repeats < 1:
+    print("error: --repeats must be >= 1", file=sys.stderr)
+    return 2
+  import jax
+
+  if a.quick:
+    d, f, layers, batches, c = 32, 64, 3, (1, 4), 64
+    att, topk = (2, 2, 2, c, 16, 2), (4, 64, 8, 2)
+  else:  # SmolLM2-135M: D 576, FFN 1536, 30 layers; 3 KV heads of 64 dims, G = 3
+    d, f, layers, batches, c = 576, 1536, 30, (1, 8, 16), 4032
+    att, topk = (8, 3, 3, c, 64, 10), (24, 1596, 128, 30)
+  rows = skinny_matmul_rows(d, f, layers, batches, a.repeats)
+  rows += attention_rows(1, *att[1:], a.repeats) + attention_rows(*att, a.repeats)
+  rows += topk_rows(*topk, a.repeats)
+  print(f"jax {jax.__version__}, {jax.default_backend()}, {jax.device_count()} device(s)")
+  print("| op | ms | GB/s of its operands | GB/s of a plain read of them | ratio |")
+  print("|---|---:|---:|---:|---:|")
+  for name, s, gbs, read in rows:
+    if gbs is None:
+      print(f"| {name} | {1e3 * s:.2f} | - | - | - |")
+    else:
+      print(f"| {name} | {1e3 * s:.2f} | {gbs:.1f} | {read:.1f} | {read / gbs:.1f}x |")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
