@@ -65,6 +65,7 @@ class Plan:
       rocketkv_mt: `RocketConfig.skip_layers`; 0 otherwise).
     window_reduce: stage 1's reduction of the window's probabilities, "sum" | "max"
       (`RocketConfig.window_reduce`).
+    read_mass: `exact_topp`'s share of each head's attention mass to read (0.0 otherwise).
   """
 
   method: str
@@ -84,6 +85,7 @@ class Plan:
   stage2: object = None  # a methods.stage2.Stage2 (not imported: see the module docstring)
   skip_layers: int = 0
   window_reduce: str = "sum"
+  read_mass: float = 0.0
 
   @property
   def num_chunks(self) -> int:

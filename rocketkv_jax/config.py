@@ -56,6 +56,8 @@ class RocketConfig:
       An ablation: each dense layer reads its full cache every step, so the read per step grows
       by about skip_layers / num_layers of full KV's. At most the model's number of layers
       (checked where it is known: `check_num_layers`); equal to it, every layer is dense.
+    read_mass: for `exact_topp` only (an oracle): each KV head reads the fewest rows that hold
+      this share of its exact attention mass, in (0, 1].
   """
 
   token_budget: int
@@ -73,6 +75,7 @@ class RocketConfig:
   sink_size: int = 4
   stage2: Stage2 | str = "minmax"
   skip_layers: int = 0
+  read_mass: float | None = None
 
   def __post_init__(self):
     method = methods.get(self.method)
@@ -93,6 +96,8 @@ class RocketConfig:
             f"skip_layers={self.skip_layers} needs method in "
             f"{sorted(n for n, m in methods.REGISTRY.items() if m.accepts_skip_layers)}"
             f", got {self.method!r}")
+    require(self.read_mass is None or method.name == "exact_topp",
+            f"read_mass needs method 'exact_topp', got {self.method!r}")
     method.check_config(self)
     require_int("page_size", self.page_size, 1)
     if self.alpha is not None:

@@ -110,6 +110,12 @@ def test_selection_respects_the_budget(name):
       sels = [idx[b, h][valid[b, h]] for h in range(HKV)]
       assert all(len(set(s.tolist())) == len(s) for s in sels)
       assert sum(map(len, sels)) == HKV * min(plan.top_k, length[b])
+  elif method.reads_by_mass:  # per head, the fewest slots holding plan.read_mass: >= 1
+    assert idx.shape[2] == cache.capacity and plan.top_k == cache.capacity
+    for b in range(B):
+      for h in range(HKV):
+        sel = idx[b, h][valid[b, h]]
+        assert len(set(sel.tolist())) == len(sel) and 1 <= len(sel) <= length[b]
   else:
     assert 1 <= plan.top_k <= BUDGET and idx.shape[2] == min(plan.top_k, cache.capacity)
     for b in range(B):

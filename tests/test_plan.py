@@ -135,7 +135,8 @@ def test_more_budget_never_keeps_or_reads_less(prompt, new, window, budgets, d):
       kept, read = _kept_read(method, p)
       assert p.capacity >= kept and 0 <= p.top_k <= p.capacity, (spec, b, p)
       assert p.chunk_size >= 1 or p.chunk_size == 0 and (
-          method in ("full", "snapkv", "exact_topk", "exact_topk_heads", "streamingllm")
+          method in ("full", "snapkv", "exact_topk", "exact_topk_heads", "exact_topp",
+                     "streamingllm")
           or stage2 in ("lowrank", "quant")), (spec, b, p)
       assert 1 <= p.r <= d
       assert kept >= prev[0] and read >= prev[1], (spec, b, prev, (kept, read))

@@ -165,3 +165,60 @@ def test_heads_shared_oracle_takes_the_best_mass_over_heads(budget, hkv):
     for bi in range(b):
       a, e = idx[bi, 0], same[bi, 0]
       assert set(a[a < lengths[bi]].tolist()) == set(e[e < lengths[bi]].tolist())
+
+
+@pytest.mark.parametrize("mass,hkv", [(0.5, 3), (0.9, 3), (0.99, 1), (1.0, 2)])
+def test_mass_oracle_reads_the_fewest_rows_holding_the_mass(mass, hkv):
+  """exact_topp: per head, the largest exact masses (float64 reference) until their sum
+  reaches read_mass, and no fewer: the read varies per head, with no slot twice."""
+  b, g, c, d = 2, 2, 48, 16
+  lengths = [48, 21]
+  plan = _plan("exact_topp", c, d, read_mass=mass)
+  _, k = _cache(13, b, hkv, c, d, lengths, plan.chunk_size)
+  k = k.copy()
+  k[:, 0] *= 3.0  # head 0 peaked, the others flat: their reads differ
+  cache = rocketkv.full_cache(jnp.asarray(k), jnp.asarray(k), c, plan.chunk_size,
+                              jnp.asarray(lengths, jnp.int32))
+  q = np.random.default_rng(14).standard_normal((b, g * hkv, d)).astype(np.float32)
+  idx = np.asarray(rocketkv.select(jnp.asarray(q), cache, plan))
+  assert idx.shape == (b, hkv, c)
+  takes = []
+  for bi in range(b):
+    scores = ref.exact_slot_scores(q[bi], k[bi], lengths[bi]) / g  # [Hkv, C], sums to 1
+    for h in range(hkv):
+      row = idx[bi, h]
+      assert len(set(row.tolist())) == len(row)
+      mine = row[row < lengths[bi]]
+      want = np.sort(scores[h, :lengths[bi]])[::-1]
+      n = int(np.searchsorted(np.cumsum(want), mass - 1e-6)) + 1  # fewest holding the mass
+      n = min(n, lengths[bi])
+      assert abs(len(mine) - n) <= 1  # a float32 sum may cross the line one row apart
+      np.testing.assert_allclose(scores[h, mine].sum(), want[:len(mine)].sum(), rtol=1e-5)
+      assert scores[h, mine].sum() >= min(mass, 1.0) - 1e-5
+      takes.append(len(mine))
+  if hkv > 1 and mass < 1.0:
+    assert len(set(takes)) > 1  # the read follows each head's attention
+
+
+def test_mass_oracle_counts_its_reads():
+  """exact_topp's state counts the rows each decode step read: the mean per head and step
+  equals the selections' sizes (read back with `select` on the same states)."""
+  b, hkv, g, c, d, new = 2, 2, 2, 40, 16, 3
+  lengths = jnp.asarray([40, 17], jnp.int32)
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=8, method="exact_topp",
+                                             read_mass=0.8, window_size=4), c, new, d)
+  rng = np.random.default_rng(5)
+  k = jnp.asarray(rng.standard_normal((b, hkv, c, d)), jnp.float32)
+  qw = jnp.asarray(rng.standard_normal((b, hkv * g, 4, d)), jnp.float32)
+  state = rocketkv.prefill(k, k, qw, plan, lengths=lengths)
+  want = np.zeros(b)
+  for _ in range(new):
+    q = jnp.asarray(rng.standard_normal((b, hkv * g, d)), jnp.float32)
+    kn = jnp.asarray(rng.standard_normal((b, hkv, 1, d)), jnp.float32)
+    method = rocketkv.methods.get("exact_topp")
+    appended = state.replace(cache=rocketkv.append(state.cache, kn, kn))
+    idx = np.asarray(rocketkv.select(q, appended, plan))
+    want += (idx < plan.capacity).sum(-1).mean(-1)
+    _, state = rocketkv.decode_step(q, kn, kn, state, plan)
+  np.testing.assert_allclose(np.asarray(method.rows_read(state)), want / new, rtol=1e-6)
+  assert np.all(want / new < np.asarray(lengths) + new)  # fewer than every row: it selected

@@ -181,6 +181,13 @@ def _record(sample, method, budget, tokens, prediction, score, turn=None, task=N
   return r
 
 
+def _rows_read(plan, cache) -> np.ndarray:
+  """[B] rows one decode step read per KV head, the mean over layers and steps, of a method
+  whose state counts them (`Method.reads_by_mass`)."""
+  method = methods_lib.get(plan.method)
+  return np.mean([np.asarray(method.rows_read(state)) for state in cache], axis=0)
+
+
 def _plan_dict(plan) -> dict:
   """The plan's fields, its stage-2 variant as `stage2=<name>` and the variant's own fields
   under their spec keys (`quant_bits`, ...: the flat fields of the records written before the
@@ -405,13 +412,18 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True, on_group=None, 
       for method, budget in (decode_configs(cfg) if cfg.decode else []):
         t0 = time.perf_counter()
         b = budget if budget is not None else max(cfg.budgets)
-        got, _, _, _ = runner.decode(pp, method, b, mn, gold=gold)
+        plan = runner.plan(method, b, p, mn)
+        counted = methods_lib.get(plan.method).reads_by_mass  # its state counts the rows read
+        got, _, _, cache = runner.decode(pp, method, b, mn, gold=gold, keep_cache=counted)
         timing["decode_s"] += time.perf_counter() - t0
-        plans[f"{method}/{budget}/{p}+{mn}"] = _plan_dict(runner.plan(method, b, p, mn))
+        plans[f"{method}/{budget}/{p}+{mn}"] = _plan_dict(plan)
+        rows_read = _rows_read(plan, cache) if counted else None
         for i, (s, row) in enumerate(zip(batch, got)):
           pred = tok.decode(row)
           records.append(_record(s, method, budget, row, pred, tasks_lib.score(
               s.metric, pred, s.answers, all_classes=s.meta.get("all_classes", ()))))
+          if rows_read is not None:
+            records[-1]["rows_read"] = float(rows_read[i])
           if gold is not None:
             lp, am = runner.last_forced
             records[-1].update(gold_fields(lp[i], am[i], masks[i]))

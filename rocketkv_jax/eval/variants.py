@@ -14,6 +14,7 @@ A method spec is a name from `rocketkv.METHODS`, optionally followed by `:` and 
     rocketkv:skip_layers=2          layers 0 and 1 keep their whole cache and attend densely
     rocketkv:window_reduce=max      stage 1 keeps the keys some window query attends to most
     snapkv:window_size=16
+    exact_topp:read_mass=0.9        the oracle reading 90% of each head's attention mass
 
 A stage-2 variant's own fields (rocketkv_jax/methods/stage2/) are set by their spec keys,
 `<variant>_<field>` (`rerank_factor`, `lowrank_page_size`, `lowrank_rank`, `quant_bits`,
@@ -41,15 +42,16 @@ from rocketkv_jax.methods import stage2 as stage2_lib
 _STAGE2_KEYS = stage2_lib.spec_keys()  # e.g. "quant_bits" -> (Quant, "bits")
 OVERRIDABLE = ("alpha", "capacity", "prompt_budget", "top_k", "chunk_size", "r", "window_size",
                "kernel_size", "page_size", "sink_size", "stage2", "skip_layers",
-               "window_reduce") + tuple(_STAGE2_KEYS)
+               "window_reduce", "read_mass") + tuple(_STAGE2_KEYS)
 
 
 def _kind(key: str) -> type:
-  """The value type of a key: a stage-2 field's annotation; float for `alpha`; else int."""
+  """The value type of a key: a stage-2 field's annotation; float for `alpha`, `read_mass`;
+  else int."""
   if key in _STAGE2_KEYS:
     cls, field = _STAGE2_KEYS[key]
     return typing.get_type_hints(cls)[field]
-  return float if key == "alpha" else int
+  return float if key in ("alpha", "read_mass") else int
 
 
 def parse(spec: str) -> tuple[str, dict[str, int | float | str]]:

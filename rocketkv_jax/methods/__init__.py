@@ -16,6 +16,7 @@ from rocketkv_jax._checks import require
 from rocketkv_jax.methods.base import Method
 from rocketkv_jax.methods.exact_topk import ExactTopK
 from rocketkv_jax.methods.exact_topk_heads import ExactTopKHeads
+from rocketkv_jax.methods.exact_topp import ExactTopP
 from rocketkv_jax.methods.full import Full
 from rocketkv_jax.methods.quest import Quest
 from rocketkv_jax.methods.rocketkv import STAGE2, RocketKV
@@ -41,6 +42,7 @@ def register(method: Method) -> Method:
 register(Full())
 register(ExactTopK())
 register(ExactTopKHeads())
+register(ExactTopP())
 register(SnapKV())
 register(Quest())
 register(SparQ())

@@ -18,7 +18,9 @@ and a few class-level facts the harness and `generate` read instead of its name:
 (what B means for it), `dense`, `uses_budget`, `keeps_full_cache`, `replan_per_turn`,
 `stage2_variants` (the names of the `RocketConfig.stage2` variants it accepts),
 `accepts_skip_layers` (whether `RocketConfig.skip_layers` may be other than 0),
-`shares_read_across_heads` (its `select` splits the layer's reads among the KV heads).
+`shares_read_across_heads` (its `select` splits the layer's reads among the KV heads),
+`reads_by_mass` (its read per head and step follows the attention mass: the state counts it,
+`rows_read`).
 
 Dense layers (`dense_layers`: Quest's first two, RocketKV's `skip_layers`) are chosen by the
 method from the layer index that `rocketkv.prefill` / `rocketkv.decode_step` receive as
@@ -60,6 +62,9 @@ class Method:
   # `select` shares the layer's Hkv * top_k reads among its KV heads (one head may read more
   # than top_k): its index array is [B, Hkv, min(Hkv * top_k, C)], the rest marked invalid.
   shares_read_across_heads: ClassVar[bool] = False
+  # `select` reads, per head, the fewest slots holding `plan.read_mass` of the attention: its
+  # index array is [B, Hkv, C], and `rows_read(state)` gives the mean rows it read per step.
+  reads_by_mass: ClassVar[bool] = False
 
   # ---------------------------------------------------------------- configuration
   def check_config(self, config) -> None:
