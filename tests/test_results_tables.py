@@ -387,3 +387,22 @@ def test_compare_command_line(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and msg in err and "Traceback" not in err, (argv, err)
+
+
+def test_compare_markdown_shows_rows_read_where_records_count_them():
+  """Records of a method whose read follows the attention (exact_topp: `rows_read`) add a
+  column with their mean; the other rows leave it empty, and a run without any has none."""
+  res, _, _ = _run()
+  reads = [3.0 + (r["index"] % 2) for r in res["records"] if r["method"] == "rocketkv"]
+  recs = [dict(r, rows_read=3.0 + (r["index"] % 2)) if r["method"] == "rocketkv" else r
+          for r in res["records"]]
+  rows = {r["method"]: r for r in report.compare(dict(res, records=recs), "full", budget=256)}
+  assert rows["rocketkv"]["rows_read"] == pytest.approx(np.mean(reads[:10]))
+  assert rows["snapkv"]["rows_read"] is None
+  md = report.compare_markdown(dict(res, records=recs), "full", ["rocketkv", "snapkv"], 256)
+  lines = md.splitlines()
+  assert lines[2].endswith("| rows read |") and lines[3].endswith("|---|")
+  rk = next(l for l in lines if l.startswith("| passkey | 2K | rocketkv |"))
+  assert rk.endswith(f" {rows['rocketkv']['rows_read']:.1f} |")
+  assert next(l for l in lines if l.startswith("| passkey | 2K | snapkv |")).endswith("|  |")
+  assert "rows read" not in report.compare_markdown(res, "full", ["snapkv"], 256)

@@ -391,7 +391,7 @@ def compare(results: dict, reference: str = "full", methods=None, budget: int | 
                    budget=None if _budgetless(m) else budget, n=len(pairs),
                    ref=100.0 * float(np.mean(b)), score=100.0 * float(np.mean(a)),
                    diff=tuple(100.0 * v for v in d), gold_n=0, ref_logprob=None, logprob=None,
-                   logprob_diff=None)
+                   logprob_diff=None, rows_read=_mean_rows_read(x for x, _ in pairs))
         gold = [(gold_of(x), gold_of(y)) for x, y in pairs]
         gold = [(gx[0], gy[0]) for gx, gy in gold if gx is not None and gy is not None]
         if gold:
@@ -402,6 +402,13 @@ def compare(results: dict, reference: str = "full", methods=None, budget: int | 
                                                               n_boot=n_boot, seed=seed))
         rows.append(row)
   return rows
+
+
+def _mean_rows_read(records) -> float | None:
+  """Mean rows read per KV head and decode step over records that count them (`rows_read`:
+  the methods whose read follows the attention mass), else None."""
+  got = [r["rows_read"] for r in records if r.get("rows_read") is not None]
+  return float(np.mean(got)) if got else None
 
 
 def _side(lo: float, hi: float) -> str:
@@ -423,13 +430,20 @@ def compare_markdown(results: dict, reference: str = "full", methods=None,
            f"| task | length | method | n | {reference} | method | diff [lo, hi] | gold n | "
            f"{reference} log-prob | method log-prob | diff [lo, hi] |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
+  reads = any(r["rows_read"] is not None for r in rows)
+  if reads:  # a method whose read varies: its mean rows read per KV head and step
+    lines[0] += " Rows read: the method's mean rows per KV head and decode step."
+    lines[2] += " rows read |"
+    lines[3] += "---|"
   for r in rows:
     g = ("| | | |" if r["logprob_diff"] is None else
          f"| {r['ref_logprob']:.3f} | {r['logprob']:.3f} | "
          "{:+.3f} [{:+.3f}, {:+.3f}] |".format(*r["logprob_diff"]))
     lines.append(f"| {r['task']} | {_length_label(r['context_len'])} | {r['method']} | {r['n']} "
                  f"| {r['ref']:.1f} | {r['score']:.1f} | {r['diff'][0]:+.1f} "
-                 f"[{r['diff'][1]:+.1f}, {r['diff'][2]:+.1f}] | {r['gold_n'] or ''} " + g)
+                 f"[{r['diff'][1]:+.1f}, {r['diff'][2]:+.1f}] | {r['gold_n'] or ''} " + g
+                 + ("" if not reads else
+                    f" {'' if r['rows_read'] is None else format(r['rows_read'], '.1f')} |"))
   lines.append("")
   for m in dict.fromkeys(r["method"] for r in rows):
     mine = [r for r in rows if r["method"] == m]
