@@ -54,7 +54,8 @@ Decisions where the issue is silent:
   * Stats: per row, `kv_tokens_kept_per_row` is the number of valid cache slots per KV head
     after prefill (stage 1), `kv_tokens_read_per_row` the tokens attended per decode step at
     the last step (the method's `layer_reads`: top-k for sparse methods, else the whole valid
-    cache), both the mean over layers (rounded), `kv_tokens_full_per_row` that row's prompt +
+    cache; for a method whose state counts its reads, `Method.reads_by_mass`, the mean rows per
+    KV head over the decode steps), both the mean over layers (rounded), `kv_tokens_full_per_row` that row's prompt +
     new tokens and `compression_ratio_per_row` = full / read. The scalars `kv_tokens_kept`,
     `kv_tokens_read`, `kv_tokens_full` are the mean over rows (rounded) and
     `compression_ratio` = mean full / mean read; rows of different lengths keep different
@@ -362,6 +363,7 @@ class _Run:
   decode_s: float
   compile_s: float
   peak_bytes: int
+  rows_read: np.ndarray | None = None  # [layers, len(ids)]: a reads_by_mass method's count
 
 
 def _run(model, inp: _Inputs, *, programs: ProgramCache, stream, block_size, impl,
@@ -403,8 +405,9 @@ def _run(model, inp: _Inputs, *, programs: ProgramCache, stream, block_size, imp
              impl=impl, out_sharding=inp.out_sharding), (1,), dec_args)
     say.done(dec_compile)
     t0 = time.perf_counter()
-    out, steps, overflow, _ = dec_exe(*dec_args)
+    out, steps, overflow, final = dec_exe(*dec_args)
     out = np.asarray(out)[:n]
+    rows_read = _rows_read(plan, final, n)
     decode_s = time.perf_counter() - t0
   finally:
     if sink is not None:
@@ -418,7 +421,19 @@ def _run(model, inp: _Inputs, *, programs: ProgramCache, stream, block_size, imp
         f"max_new_tokens={inp.max_new_tokens}")
   return _Run(tokens=out, steps=steps, kept=kept, kv_bytes=int(kv_bytes),
               prefill_s=prefill_s, decode_s=decode_s, compile_s=pre_compile + dec_compile,
-              peak_bytes=max(_peak_bytes(pre_exe), _peak_bytes(dec_exe)))
+              peak_bytes=max(_peak_bytes(pre_exe), _peak_bytes(dec_exe)), rows_read=rows_read)
+
+
+def _rows_read(plan, cache, n: int) -> np.ndarray | None:
+  """[layers, n] rows read per KV head and decode step, for a method whose state counts them
+  (`Method.reads_by_mass`); None for the others (their read is the plan's)."""
+  method = methods.get(plan.method)
+  # (a hybrid's sliding layers keep a window cache of their own; several processes hold parts)
+  if (not method.reads_by_mass or jax.process_count() > 1
+      or not all(hasattr(g, "rows") for g in cache.groups)):
+    return None
+  per = [np.asarray(method.rows_read(g)).reshape(-1, np.shape(g.rows)[-1]) for g in cache.groups]
+  return np.concatenate(per)[:, :n]
 
 
 def _stats(inp: _Inputs, run: _Run, result_tokens: list[list[int]], config) -> dict[str, Any]:
@@ -428,6 +443,8 @@ def _stats(inp: _Inputs, run: _Run, result_tokens: list[list[int]], config) -> d
   # [layers, rows]: per row, its own kept prompt tokens and the reads they imply
   read = np.array([llama.layer_reads(config, plan, [int(x) for x in run.kept[:, b]], steps)
                    for b in range(n)], np.float64).T
+  if run.rows_read is not None:  # counted by the method's state: the mean over the steps
+    read = run.rows_read.astype(np.float64)
   full = inp.lengths.astype(np.float64) + np.array(new)
   read_rows = read.mean(0)
   return dict(

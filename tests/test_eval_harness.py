@@ -153,6 +153,8 @@ def test_multiturn_takes_stage2_variants():
   assert res["plans"]["multiturn/rocketkv:stage2=quant/64/turn2"]["stage2"] == "quant"
   with pytest.raises(ValueError, match="unknown method"):
     harness.SweepConfig(multiturn_methods=("rocketkv_x",))
+  with pytest.raises(ValueError, match="multiturn_methods: 'exact_topp' has no multi-turn path"):
+    harness.SweepConfig(multiturn_methods=("exact_topp:read_mass=0.8",))
 
 
 def test_attention_recall_exact_topk_is_the_upper_bound():

@@ -95,7 +95,10 @@ class SweepConfig:
     for m in self.methods:
       variants.parse(m)  # a METHODS name, or a variant spec such as "rocketkv:top_k=B"
     for m in self.multiturn_methods:
-      variants.parse(m)
+      base, _ = variants.parse(m)
+      if methods_lib.get(base).reads_by_mass:  # its state is not a cache a turn can extend
+        raise ValueError(f"multiturn_methods: {base!r} has no multi-turn path (an oracle whose "
+                         f"state counts its reads); use it in methods")
     for t in self.tasks:
       if t not in tasks_lib.TASKS + (tasks_lib.MULTITURN_TASK,):
         raise ValueError(f"unknown task {t!r}; allowed: "
