@@ -96,8 +96,10 @@ class RocketConfig:
             f"skip_layers={self.skip_layers} needs method in "
             f"{sorted(n for n, m in methods.REGISTRY.items() if m.accepts_skip_layers)}"
             f", got {self.method!r}")
-    require(self.read_mass is None or method.name == "exact_topp",
-            f"read_mass needs method 'exact_topp', got {self.method!r}")
+    require(self.read_mass is None or method.reads_by_mass,
+            f"read_mass needs method in "
+            f"{sorted(n for n, m in methods.REGISTRY.items() if m.reads_by_mass)}"
+            f", got {self.method!r}")
     method.check_config(self)
     require_int("page_size", self.page_size, 1)
     if self.alpha is not None:

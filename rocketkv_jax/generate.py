@@ -55,8 +55,9 @@ Decisions where the issue is silent:
     after prefill (stage 1), `kv_tokens_read_per_row` the tokens attended per decode step at
     the last step (the method's `layer_reads`: top-k for sparse methods, else the whole valid
     cache; for a method whose state counts its reads, `Method.reads_by_mass`, the mean rows per
-    KV head over the decode steps), both the mean over layers (rounded), `kv_tokens_full_per_row` that row's prompt +
-    new tokens and `compression_ratio_per_row` = full / read. The scalars `kv_tokens_kept`,
+    KV head over the decode steps), both the mean over layers (rounded),
+    `kv_tokens_full_per_row` that row's prompt + new tokens and `compression_ratio_per_row` =
+    full / read. The scalars `kv_tokens_kept`,
     `kv_tokens_read`, `kv_tokens_full` are the mean over rows (rounded) and
     `compression_ratio` = mean full / mean read; rows of different lengths keep different
     numbers of tokens (full KV keeps each row's own prompt). A method's dense layers (Quest's
