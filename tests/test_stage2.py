@@ -21,6 +21,7 @@ from rocketkv_jax.eval import variants
 from rocketkv_jax.methods import stage2 as stage2_lib
 from rocketkv_jax.methods.stage2 import LowRank, MinMax, Quant, Rerank
 from rocketkv_jax.methods.stage2.lowrank import slot_logits_xla
+from rocketkv_jax.methods.stage2 import quant as quant_lib
 from rocketkv_jax.methods.stage2.quant import build as quant_build
 from rocketkv_jax.methods.stage2.rerank import candidate_scores_xla
 
@@ -451,6 +452,30 @@ def test_quant_select_matches_reference(seed, bits, top_k, window):
     valid = _valid(lengths[b], c, window)
     want, scores = ref_quant_select(q[b], k[b], valid, lengths[b], r, bits, top_k)
     _check_selection(idx[b], want, lambda h: dict(enumerate(scores[h])), valid, top_k)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("fused_max", [0, 10 ** 6])
+def test_quant_slot_logits_both_forms_match_reference(monkeypatch, bits, fused_max):
+  """`slot_logits_xla` by plane products (FUSED_TERMS_MAX = 0) and by the fused unrolled sum:
+  the softmax of each query head's logits over the valid slots is the float64 reference's."""
+  monkeypatch.setattr(quant_lib, "FUSED_TERMS_MAX", fused_max)
+  c, r, lengths = 63, 5, [63, 45]
+  k = _keys(80 + bits, 2, c, lengths)
+  cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, top_k=8, r=r,
+                              stage2=Quant(bits=bits), capacity=c)
+  plan = rocketkv.plan(cfg, c, 0, D)
+  cache = rocketkv.full_cache(jnp.asarray(k), jnp.asarray(k), c, 0, jnp.asarray(lengths))
+  state = quant_build(cache, plan)
+  q = np.random.default_rng(90 + bits).standard_normal((2, HQ, D)).astype(np.float32)
+  logits = np.asarray(quant_lib.slot_logits_xla(jnp.asarray(q), state, r), np.float64)
+  assert logits.shape == (2, HKV, G, c)
+  for b in range(2):
+    valid = _valid(lengths[b], c, None)
+    want = ref_quant_probs(q[b], k[b], valid, lengths[b], r, bits)  # [Hq, C]
+    got = np.where(np.repeat(valid, G, 0), logits[b].reshape(HQ, c), -np.inf)
+    got = np.exp(got - got.max(-1, keepdims=True))
+    np.testing.assert_allclose(got / got.sum(-1, keepdims=True), want, atol=2e-6)
 
 
 def test_quant_8_bits_selects_what_exact_r_dim_scores_select():

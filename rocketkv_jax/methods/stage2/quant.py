@@ -236,6 +236,11 @@ def coded_query(qg: jax.Array, step: jax.Array, r: int) -> tuple[jax.Array, jax.
   return ridx, q_r * jnp.take_along_axis(step, ridx, axis=-1)[:, :, None, :]
 
 
+# Above this many multiply-adds per logit (r dims x code planes) `slot_logits_xla` multiplies
+# unpacked planes instead of fusing the unpack into one unrolled sum (compile time and code size).
+FUSED_TERMS_MAX = 128
+
+
 def slot_logits_xla(q: jax.Array, state: QuantState, r: int) -> jax.Array:
   """Approximate logits of every slot, up to a per-query-head constant.
 
@@ -250,8 +255,26 @@ def slot_logits_xla(q: jax.Array, state: QuantState, r: int) -> jax.Array:
   hkv, c = cache.k_raw.shape[1], cache.capacity
   ridx, qs = coded_query(group_queries(q, hkv).astype(jnp.float32), state.step, r)
   rows = jnp.take_along_axis(state.codes, ridx[..., None], axis=2)  # [B, Hkv, r, Nb] uint8
-  logits = [jnp.einsum("bhgr,bhrc->bhgc", qs, p) for p in planes(rows, state.bits)]
+  fused = 2 <= state.per_byte and r * state.per_byte <= FUSED_TERMS_MAX
+  logits = (_fused_logits if fused else _plane_products)(qs, rows, state.bits)
   return jnp.concatenate(logits, axis=-1)[..., :c]
+
+
+def _plane_products(qs: jax.Array, rows: jax.Array, bits: int) -> list[jax.Array]:
+  """qs [B, Hkv, G, r], rows [B, Hkv, r, Nb] uint8 -> per [B, Hkv, G, Nb]: one batched
+  [G, r] x [r, Nb] product per code plane, on the planes unpacked to float32."""
+  return [jnp.einsum("bhgr,bhrc->bhgc", qs, p) for p in planes(rows, bits)]
+
+
+def _fused_logits(qs: jax.Array, rows: jax.Array, bits: int) -> list[jax.Array]:
+  """`_plane_products` as one unrolled multiply-add over the r dims per plane, the unpack fused
+  in: XLA:CPU runs the batched products above as many tiny GEMMs and writes the float32 planes
+  out first (8x the codes' bytes); this reads the codes once (docs/roofline.md)."""
+  x = rows.astype(jnp.int32)[:, :, None]  # [B, Hkv, 1, r, Nb]
+  mask = 2 ** bits - 1
+  return [sum(qs[:, :, :, i, None] * ((x[:, :, :, i] >> (j * bits)) & mask).astype(jnp.float32)
+              for i in range(qs.shape[-1]))
+          for j in range(8 // bits)]
 
 
 def slot_logits(q: jax.Array, state: QuantState, r: int, *, impl: str = "auto") -> jax.Array:
