@@ -8,7 +8,11 @@ to a plain jitted sum over the same bytes (what reading them costs here):
                     projections and the MLP at batch M (SmolLM2: D 576, F 1536)
     dense attention [B, Hkv, G, D] queries over separate [B, Hkv, C, D] K and V caches: the
                     two batched products of full-KV decode attention
-    top-k           lax.top_k of k = 128 over [rows, N] scores (stage 2's selection)
+    top-k           lax.top_k of k = 128 over [rows, N] scores (stage 2's selection), and
+                    NumPy's one-thread partial selection of the same scores
+    row gather      k rows of D floats per (sequence, KV head) out of separate [B, Hkv, C, D]
+                    caches, at random slots (the quant variant's tokens) and in runs of 3
+                    (minmax's chunks), and NumPy's one-thread row copy of the same random rows
 
     python benchmarks/xla_cpu_gaps.py                  # SmolLM2's shapes; ~1 minute
     python benchmarks/xla_cpu_gaps.py --quick          # tiny shapes: the tool's logic only
@@ -104,13 +108,57 @@ def attention_rows(batch, hkv, g, c, d, layers, repeats):
 
 
 def topk_rows(rows, n, k, layers, repeats):
-  """lax.top_k over `layers` separate [rows, n] score arrays: us per call."""
+  """lax.top_k over `layers` separate [rows, n] score arrays, next to NumPy's partial selection
+  (argpartition, then the k sorted; one thread) of the same arrays."""
   import jax
+  import numpy as np
   from jax import lax
 
   xs = _buffers((rows, n), layers, 0)
   s = _timed(jax.jit(lambda xs: [lax.top_k(x, k)[1] for x in xs]), xs, repeats=repeats)
-  return [(f"top_k k={k} of [{rows}, {n}] x {layers}", s, None, None)]
+  host = [np.asarray(x) for x in xs]
+
+  def partial():
+    out = []
+    for x in host:
+      part = np.argpartition(-x, k - 1, axis=1)[:, :k]
+      order = np.argsort(-np.take_along_axis(x, part, 1), axis=1, kind="stable")
+      out.append(np.take_along_axis(part, order, 1))
+    return out
+
+  s_np = _timed(partial, repeats=repeats)
+  return [(f"top_k k={k} of [{rows}, {n}] x {layers}", s, None, None),
+          ("NumPy argpartition + sort of the k, one thread (the same scores)", s_np, None, None)]
+
+
+def gather_rows(batch, hkv, c, d, k, layers, repeats):
+  """`ops.gather_rows` of k slots per (sequence, KV head) from `layers` separate caches: the
+  gathered bytes' GB/s at random slots, in runs of 3, and by NumPy's row copy (one thread)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from rocketkv_jax.ops import gather_rows as gather
+
+  ks = _buffers((batch, hkv, c, d), layers, 0)
+  gb = layers * batch * hkv * k * d * 4 / 1e9
+  read = sum(x.nbytes for x in ks) / 1e9 / _read_s(ks, repeats)
+  rng = np.random.default_rng(0)
+  scattered = rng.integers(0, c, (batch, hkv, k))
+  runs = (rng.integers(0, c // 3, (batch, hkv, -(-k // 3)))[..., None] * 3 + np.arange(3))
+  fn = jax.jit(lambda xs, i: [gather(x, i) for x in xs])
+  rows = []
+  runs = runs.reshape(batch, hkv, -1)[..., :k]
+  for what, idx in (("random slots", scattered), ("runs of 3 slots", runs)):
+    s = _timed(fn, ks, jnp.asarray(idx, jnp.int32), repeats=repeats)
+    rows.append((f"row gather {what}, {batch * hkv} x {k} rows of {d} x {layers}", s, gb / s, read))
+  flat = (np.arange(batch * hkv).reshape(batch, hkv, 1) * c + scattered).ravel()
+  host = [np.asarray(x).reshape(-1, d) for x in ks]
+  out = np.empty((flat.size, d), np.float32)
+  copy = lambda: [np.take(x, flat, axis=0, out=out) for x in host]
+  s = _timed(copy, repeats=repeats)
+  rows.append(("NumPy row copy, random slots, one thread (the same rows)", s, gb / s, read))
+  return rows
 
 
 def _parser():
@@ -129,13 +177,14 @@ def main(argv=None) -> int:
 
   if a.quick:
     d, f, layers, batches, c = 32, 64, 3, (1, 4), 64
-    att, topk = (2, 2, 2, c, 16, 2), (4, 64, 8, 2)
+    att, topk, gat = (2, 2, 2, c, 16, 2), (4, 64, 8, 2), (2, 2, c, 16, 8, 2)
   else:  # SmolLM2-135M: D 576, FFN 1536, 30 layers; 3 KV heads of 64 dims, G = 3
     d, f, layers, batches, c = 576, 1536, 30, (1, 8, 16), 4032
     att, topk = (8, 3, 3, c, 64, 10), (24, 1596, 128, 30)
+    gat = (8, 3, 1596, 64, 128, 60)  # K and V of 30 layers: the quant variant's capacity, top_k
   rows = skinny_matmul_rows(d, f, layers, batches, a.repeats)
   rows += attention_rows(1, *att[1:], a.repeats) + attention_rows(*att, a.repeats)
-  rows += topk_rows(*topk, a.repeats)
+  rows += topk_rows(*topk, a.repeats) + gather_rows(*gat, a.repeats)
   print(f"jax {jax.__version__}, {jax.default_backend()}, {jax.device_count()} device(s)")
   print("| op | ms | GB/s of its operands | GB/s of a plain read of them | ratio |")
   print("|---|---:|---:|---:|---:|")
@@ -143,7 +192,8 @@ def main(argv=None) -> int:
     if gbs is None:
       print(f"| {name} | {1e3 * s:.2f} | - | - | - |")
     else:
-      print(f"| {name} | {1e3 * s:.2f} | {gbs:.1f} | {read:.1f} | {read / gbs:.1f}x |")
+      rate = lambda x: f"{x:.1f}" if x >= 1 else f"{x:.3f}"  # --quick's tiny rates
+      print(f"| {name} | {1e3 * s:.2f} | {rate(gbs)} | {rate(read)} | {read / gbs:.1f}x |")
   return 0
 
 
