@@ -19,7 +19,9 @@ with the bytes and FLOPs counted from the model's parameters and the method's `P
 (`decode_accounting`; docs/roofline.md says what is counted and why). --prefill adds the prompt
 pass (`llama.prefill`, full KV, batch 1) at each length next to its FLOP floor, causal attention
 counted once. --profile (one row only) adds the step's per-op XLA:CPU profile. --json OUT writes
-the machine rates and every row.
+the machine rates and every row. --quant-logits auto,products times each stage2="quant" row
+with the library's form of its slot logits (`quant.slot_logits_xla`) and with the per-plane
+batched products (its form before the fused sum), side by side in one run.
 
 Method specs are `rocketkv_jax.eval.variants` specs ("rocketkv:stage2=quant,quant_bits=4"), `B`
 standing for --budget; several are separated by ';' (a spec holds commas).
@@ -37,6 +39,7 @@ import time
 _HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_METHODS = ("full", "snapkv", "rocketkv",
                    "rocketkv:stage2=quant,quant_capacity=equal_read,window_reduce=max")
+QUANT_LOGITS = ("auto", "products")  # --quant-logits forms
 QUANT_STEP_BYTES = 4  # the per-channel fp32 grid step a "quant" score reads per dim
 
 
@@ -182,6 +185,16 @@ def matmul_flops(n: int, dtype: str, repeats: int) -> float:
   return 2 * n**3 / best
 
 
+def cpu_model() -> str:
+  """The CPU's model name from /proc/cpuinfo ("unknown" where there is none)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+  except OSError:
+    names = []
+  return names[0] if names else "unknown"
+
+
 def _timed(fn) -> float:
   t0 = time.perf_counter()
   fn()
@@ -248,6 +261,9 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--profile", action="store_true",
                   help="per-op profile of the step (one row: one length, batch and method)")
   ap.add_argument("--top", type=int, default=25, help="--profile: ops shown")
+  ap.add_argument("--quant-logits", default="auto", metavar="FORMS",
+                  help="stage2='quant' rows: comma-separated forms of the slot logits, each a "
+                       "row: auto (the library's choice) and / or products")
   ap.add_argument("--layout", default="stack", choices=("stack", "layers"),
                   help="the cache stacked per run of like layers (generate's, default) or one "
                        "buffer per layer (unrolled layers: a flat --profile op list)")
@@ -281,6 +297,11 @@ def _args(argv) -> argparse.Namespace:
     raise ValueError(f"--warmup must be >= 1 (the first step compiles), got {a.warmup}")
   if not a.methods:
     raise ValueError("--methods is empty")
+  a.quant_logits = [f.strip() for f in a.quant_logits.split(",") if f.strip()]
+  bad = [f for f in a.quant_logits if f not in QUANT_LOGITS]
+  if bad or not a.quant_logits:
+    raise ValueError(f"--quant-logits must be forms from {list(QUANT_LOGITS)}, got "
+                     f"{','.join(a.quant_logits) or repr('')}")
   if a.profile and len(a.lengths) * len(a.batches) * len(a.methods) != 1:
     raise ValueError("--profile profiles one row: give one --lengths, --batches and --methods")
   return a
@@ -347,11 +368,12 @@ def main(argv=None) -> int:
   machine = dict(backend=jax.default_backend(), device=str(jax.devices()[0]),
                  bandwidth_gbps=bw / 1e9, fp32_gflops=rates["float32"] / 1e9,
                  bf16_gflops=rates["bfloat16"] / 1e9, rate_used="bfloat16" if native else "float32",
-                 cpus=os.cpu_count(), load_avg=os.getloadavg()[0])
+                 cpus=os.cpu_count(), cpu_model=cpu_model(), load_avg=os.getloadavg()[0])
   c = model.config
   print(f"model {model.source} {a.dtype} ({c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
         f"heads x {c.head_dim}), budget {a.budget}{', QUICK (tiny shapes)' if a.quick else ''}")
-  print(f"machine: {machine['backend']}, {machine['cpus']} CPUs, load {machine['load_avg']:.1f}; "
+  print(f"machine: {machine['backend']}, {machine['cpus']} CPUs ({machine['cpu_model']}), load "
+        f"{machine['load_avg']:.1f}; "
         f"bandwidth {bw / 1e9:.1f} GB/s (sum over {a.bandwidth_mb} MB), matmul "
         f"{machine['fp32_gflops']:.1f} GFLOP/s fp32, {machine['bf16_gflops']:.1f} bf16 "
         f"({a.matmul_n}^3); FLOP floor at the {machine['rate_used']} rate")
@@ -361,17 +383,24 @@ def main(argv=None) -> int:
   print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
   out = []
   free = a.warmup + a.steps + 1
-  for n, b, spec, cfg in rows:
+  from rocketkv_jax.methods.stage2 import Quant, quant
+  fused_max = quant.FUSED_TERMS_MAX
+  rows = [(n, b, spec, cfg, form) for n, b, spec, cfg in rows
+          for form in (a.quant_logits if isinstance(cfg.stage2, Quant) else [None])]
+  for n, b, spec, cfg, form in rows:
+    # read when the step is traced (its first run): "products" never takes the fused sum
+    quant.FUSED_TERMS_MAX = 0 if form == "products" else fused_max
+    label = spec if form in (None, "auto") else f"{spec} [logits: {form}]"
     run, state, plan, params = decode_steps.model_step(model, cfg, n, b, free, a.layout)
     acc = decode_accounting(params, c, plan, b, dtype.itemsize)
     med, cpu, state = decode_steps.time_steps(run, state, a.steps, a.warmup)
     tb, tf = floor_s(acc["bytes"], acc["flops"], bw, rate)
     fl = max(tb, tf)
-    row = dict(prompt=n, batch=b, method=spec, measured_ms=med * 1e3, cpu_ms=cpu * 1e3,
-               bytes_floor_ms=tb * 1e3, flop_floor_ms=tf * 1e3, floor_ms=fl * 1e3,
+    row = dict(prompt=n, batch=b, method=spec, quant_logits=form, measured_ms=med * 1e3,
+               cpu_ms=cpu * 1e3, bytes_floor_ms=tb * 1e3, flop_floor_ms=tf * 1e3, floor_ms=fl * 1e3,
                ratio=med / fl, **acc)
     out.append(row)
-    print(f"| {n} | {b} | {spec} | {_fmt(med * 1e3)} | {_fmt(tb * 1e3)} | {_fmt(tf * 1e3)} | "
+    print(f"| {n} | {b} | {label} | {_fmt(med * 1e3)} | {_fmt(tb * 1e3)} | {_fmt(tf * 1e3)} | "
           f"{_fmt(fl * 1e3)} | {med / fl:.1f} | {acc['bytes'] / 1e6:.1f} | "
           f"{acc['flops'] / 1e9:.3f} |", flush=True)
     if a.profile:
@@ -385,6 +414,7 @@ def main(argv=None) -> int:
       for k, t in kinds.most_common(a.top):
         print(f"{t:11.1f}  {k}")
     del run, state
+  quant.FUSED_TERMS_MAX = fused_max
 
   pre = []
   if a.prefill:

@@ -13,6 +13,8 @@ to a plain jitted sum over the same bytes (what reading them costs here):
     row gather      k rows of D floats per (sequence, KV head) out of separate [B, Hkv, C, D]
                     caches, at random slots (the quant variant's tokens) and in runs of 3
                     (minmax's chunks), and NumPy's one-thread row copy of the same random rows
+    prefill         one layer's weight products at M = the prompt, and its blockwise causal
+                    attention (models/attention.py), in GFLOP/s next to a square matmul's
 
     python benchmarks/xla_cpu_gaps.py                  # SmolLM2's shapes; ~1 minute
     python benchmarks/xla_cpu_gaps.py --quick          # tiny shapes: the tool's logic only
@@ -161,6 +163,36 @@ def gather_rows(batch, hkv, c, d, k, layers, repeats):
   return rows
 
 
+def prefill_rows(n, d, f, hq, hkv, dh, repeats, square=2048):
+  """One prefill layer's parts at an n-token prompt: (name, s, GFLOP/s, the square matmul's)."""
+  import jax
+  import jax.numpy as jnp
+
+  from rocketkv_jax.models.attention import blockwise_causal_attention
+
+  sq = _buffers((square, square), 1, 5)[0]
+  ref = 2 * square ** 3 / 1e9 / _timed(jax.jit(lambda a: a @ a), sq, repeats=repeats)
+  shapes = {"q, o": [(d, hq * dh), (hq * dh, d)], "k, v": [(d, hkv * dh)] * 2,
+            "gate, up": [(d, f)] * 2, "down": [(f, d)]}
+  rows = []
+  for name, shp in shapes.items():
+    ws = [_buffers(w, 1, 8 + i)[0] for i, w in enumerate(shp)]
+    xs = [_buffers((n, w[0]), 1, 16 + i)[0] for i, w in enumerate(shp)]  # [n, K] inputs
+    s = _timed(jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws)]), xs, ws,
+               repeats=repeats)
+    gf = sum(2 * n * k * m for k, m in shp) / 1e9
+    rows.append((f"prefill products {name}: [{n}, K] x "
+                 + ", ".join(f"[{k}, {m}]" for k, m in shp), s, gf / s, ref))
+  q = _buffers((1, hq, n, dh), 1, 20)[0]
+  k, v = _buffers((1, hkv, n, dh), 2, 21)
+  s = _timed(jax.jit(lambda q, k, v: blockwise_causal_attention(q, k, v)), q, k, v,
+             repeats=repeats)
+  gf = 4 * hq * dh * n * (n + 1) / 2 / 1e9  # QK^T and PV over the causal pairs, once
+  rows.append((f"prefill attention, causal, {hq}/{hkv} heads x {dh}, {n} tokens", s, gf / s,
+               ref))
+  return rows
+
+
 def _parser():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--quick", action="store_true", help="tiny shapes (CI: the logic only)")
@@ -178,13 +210,16 @@ def main(argv=None) -> int:
   if a.quick:
     d, f, layers, batches, c = 32, 64, 3, (1, 4), 64
     att, topk, gat = (2, 2, 2, c, 16, 2), (4, 64, 8, 2), (2, 2, c, 16, 8, 2)
+    pre = (128, d, f, 4, 2, 16, a.repeats, 128)
   else:  # SmolLM2-135M: D 576, FFN 1536, 30 layers; 3 KV heads of 64 dims, G = 3
     d, f, layers, batches, c = 576, 1536, 30, (1, 8, 16), 4032
     att, topk = (8, 3, 3, c, 64, 10), (24, 1596, 128, 30)
     gat = (8, 3, 1596, 64, 128, 60)  # K and V of 30 layers: the quant variant's capacity, top_k
+    pre = (4000, d, f, 9, 3, 64, a.repeats)
   rows = skinny_matmul_rows(d, f, layers, batches, a.repeats)
   rows += attention_rows(1, *att[1:], a.repeats) + attention_rows(*att, a.repeats)
   rows += topk_rows(*topk, a.repeats) + gather_rows(*gat, a.repeats)
+  flops = prefill_rows(*pre)
   print(f"jax {jax.__version__}, {jax.default_backend()}, {jax.device_count()} device(s)")
   print("| op | ms | GB/s of its operands | GB/s of a plain read of them | ratio |")
   print("|---|---:|---:|---:|---:|")
@@ -194,6 +229,11 @@ def main(argv=None) -> int:
     else:
       rate = lambda x: f"{x:.1f}" if x >= 1 else f"{x:.3f}"  # --quick's tiny rates
       print(f"| {name} | {1e3 * s:.2f} | {rate(gbs)} | {rate(read)} | {read / gbs:.1f}x |")
+  print(f"\n| prefill op (one layer) | ms | GFLOP/s | GFLOP/s of a {pre[-1] if a.quick else 2048}^3 "
+        "matmul | ratio |")
+  print("|---|---:|---:|---:|---:|")
+  for name, s, rate, ref in flops:
+    print(f"| {name} | {1e3 * s:.2f} | {rate:.1f} | {ref:.1f} | {ref / rate:.1f}x |")
   return 0
 
 

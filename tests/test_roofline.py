@@ -127,11 +127,22 @@ def test_quick_prints_the_table_and_writes_json(tmp_path):
   assert full["weight_bytes"] == WEIGHTS  # --quick's tiny model is CONFIG's shape
   assert full["floor_ms"] == max(full["bytes_floor_ms"], full["flop_floor_ms"])
   assert got["machine"]["bandwidth_gbps"] > 0 and got["machine"]["fp32_gflops"] > 0
+  assert [d["quant_logits"] for d in got["decode"]] == [None, "auto"]
+
+
+def test_quick_times_quant_rows_with_both_logit_forms():
+  r = _run("--quick", "--quant-logits", "auto,products", "--steps", "1", "--warmup", "1")
+  assert r.returncode == 0, r.stderr
+  rows = [ln.split(" | ")[2] for ln in r.stdout.splitlines() if ln.startswith("| 256 | 2 | ")]
+  quant = roofline.DEFAULT_METHODS[-1]
+  assert rows == ["full", quant, f"{quant} [logits: products]"], r.stdout
 
 
 @pytest.mark.parametrize("args,message", [
     (["--batches", "0"], "error: --lengths / --batches must be integers >= 1, got '0'"),
     (["--steps", "0"], "error: --steps must be >= 1, got 0"),
+    (["--quant-logits", "auto,dots"],
+     "error: --quant-logits must be forms from ['auto', 'products'], got auto,dots"),
     (["--profile"], "error: --profile profiles one row: give one --lengths, --batches and "
                     "--methods"),
     (["--quick", "--methods", "rocketkv:top_k=x"],
@@ -149,7 +160,8 @@ def test_xla_cpu_gaps_quick_prints_every_reproducer():
   r = subprocess.run([sys.executable, str(GAPS), "--quick", "--repeats", "2"],
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr
-  rows = [ln.split(" | ") for ln in r.stdout.splitlines()
+  decode, prefill = r.stdout.split("\n\n")  # two tables
+  rows = [ln.split(" | ") for ln in decode.splitlines()
           if ln.startswith("| ") and not ln.startswith("| op |")]
   names = [row[0] for row in rows]
   assert sum(n.startswith("| matmul [1, 32] x 3 weights") for n in names) == 2  # both layouts
@@ -166,6 +178,15 @@ def test_xla_cpu_gaps_quick_prints_every_reproducer():
     ms, gbs, read = (float(x) for x in row[1:4])
     assert ms > 0 and gbs > 0 and read > 0
     assert float(row[4].rstrip(" |x")) > 0  # their ratio (unrounded: tiny --quick rates)
+  pre = [ln.split(" | ") for ln in prefill.splitlines()
+         if ln.startswith("| prefill ") and not ln.startswith("| prefill op ")]
+  assert [row[0].split(":")[0] for row in pre] == [
+      "| prefill products q, o", "| prefill products k, v", "| prefill products gate, up",
+      "| prefill products down", "| prefill attention, causal, 4/2 heads x 16, 128 tokens"]
+  for row in pre:  # ms, GFLOP/s, the square matmul's GFLOP/s, their ratio
+    ms, rate, ref = (float(x) for x in row[1:4])
+    assert ms > 0 and rate > 0 and ref > 0
+    assert float(row[4].rstrip(" |x")) == pytest.approx(ref / rate, rel=0.05, abs=0.06)
 
 
 def test_xla_cpu_gaps_rejects_zero_repeats():
