@@ -237,7 +237,8 @@ def coded_query(qg: jax.Array, step: jax.Array, r: int) -> tuple[jax.Array, jax.
 
 
 # Above this many multiply-adds per logit (r dims x code planes) `slot_logits_xla` multiplies
-# unpacked planes instead of fusing the unpack into one unrolled sum (compile time and code size).
+# unpacked planes instead of fusing the unpack into one unrolled sum (compile time and code
+# size); 8-bit codes (one plane, nothing to unpack) always take the products, faster there.
 FUSED_TERMS_MAX = 128
 
 
