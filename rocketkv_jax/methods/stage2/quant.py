@@ -270,7 +270,8 @@ def _plane_products(qs: jax.Array, rows: jax.Array, bits: int) -> list[jax.Array
 def _fused_logits(qs: jax.Array, rows: jax.Array, bits: int) -> list[jax.Array]:
   """`_plane_products` as one unrolled multiply-add over the r dims per plane, the unpack fused
   in: XLA:CPU runs the batched products above as many tiny GEMMs and writes the float32 planes
-  out first (8x the codes' bytes); this reads the codes once (docs/roofline.md)."""
+  out first (8x the codes' bytes); this reads the codes once (docs/roofline.md). The unpack is
+  `planes`', applied to each r row as it is read (unpacking whole rows first measured slower)."""
   x = rows.astype(jnp.int32)[:, :, None]  # [B, Hkv, 1, r, Nb]
   mask = 2 ** bits - 1
   return [sum(qs[:, :, :, i, None] * ((x[:, :, :, i] >> (j * bits)) & mask).astype(jnp.float32)
