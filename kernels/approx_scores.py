@@ -59,11 +59,12 @@ def _check(q, bounds, length, chunk_size, r):
   require(nc >= 1, "the bounds must hold at least one chunk")
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "r", "interpret", "block_c",
-                                             "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("chunk_size", "r", "group_dims", "interpret",
+                                             "block_c", "num_warps", "num_stages"))
 def approx_bounds_scores(q: jax.Array, bounds: jax.Array, length: jax.Array, *,
-                         chunk_size: int, r: int, interpret: bool = False, block_c: int = 64,
-                         num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                         chunk_size: int, r: int, group_dims: str = "sum",
+                         interpret: bool = False, block_c: int = 64, num_warps: int = 4,
+                         num_stages: int = 2) -> jax.Array:
   """Group-summed softmax of RocketKV's approximate chunk logits.
 
   Args:
@@ -73,6 +74,7 @@ def approx_bounds_scores(q: jax.Array, bounds: jax.Array, length: jax.Array, *,
     length: [B] int32 valid slots; chunk c is valid when c * chunk_size < length.
     chunk_size: slots per chunk (static).
     r: head dims kept (static).
+    group_dims: how the group picks the r dims, `ops.GROUP_DIMS` (static).
     interpret: run the kernel in Pallas interpret mode (CPU testing).
     block_c: chunks per program (power of two >= 16).
     num_warps, num_stages: Triton launch parameters.
@@ -90,7 +92,7 @@ def approx_bounds_scores(q: jax.Array, bounds: jax.Array, length: jax.Array, *,
 
   qg = group_queries(q, hkv).astype(jnp.float32)
   # [B, Hkv, r] rows of bounds, [B, Hkv, G, r]
-  _, rows, q_r = bound_rows_and_query(qg, r, two_sided(bounds, d))
+  _, rows, q_r = bound_rows_and_query(qg, r, two_sided(bounds, d), group_dims)
   rows = jnp.pad(rows.astype(jnp.int32), ((0, 0), (0, 0), (0, rp - r)), constant_values=-1)
   q_r = jnp.pad(q_r, ((0, 0), (0, 0), (0, 0), (0, rp - r)))
 

@@ -60,13 +60,17 @@ def _rows(ref, rows, start, block: int, ncols: int):
   return plgpu.load(ref.at[at], mask=(rows >= 0)[:, None] & (cols < ncols)[None, :], other=0)
 
 
-def _top_r(q_ref, d: int, r: int, group: int):
-  """This KV head's G query rows (f32 [D] each), the top-r dims mask [D] (by |q| summed over the
-  group, ties to the lower dim, as `lax.top_k`), and each row on those dims times SparQ's scale
+def _top_r(q_ref, d: int, r: int, group: int, group_dims: str):
+  """This KV head's G query rows (f32 [D] each), the top-r dims mask [D] (by `ops.dim_weights`:
+  |q| summed over the group, each head's first divided by its sum with "normalized"; ties to
+  the lower dim, as `lax.top_k`), and each row on those dims times SparQ's scale
   1 / sqrt(D * sum|q_r| / sum|q|) (`ops.approx_scale`)."""
   h = pl.program_id(1)
   qs = [q_ref[h * group + g, :].astype(jnp.float32) for g in range(group)]  # G x [D]
-  a = functools.reduce(jnp.add, [jnp.abs(x) for x in qs])  # [D] |q| summed over the group
+  ws = [jnp.abs(x) for x in qs]
+  if group_dims == "normalized":
+    ws = [w / jnp.maximum(jnp.sum(w), 1e-30) for w in ws]
+  a = functools.reduce(jnp.add, ws)  # [D] the dims' weights
   dim = jnp.arange(d)
   before = (a[None, :] > a[:, None]) | ((a[None, :] == a[:, None]) & (dim[None, :] < dim[:, None]))
   keep = jnp.sum(before.astype(jnp.int32), axis=1) < r  # [D]: one of the top-r dims
@@ -95,11 +99,11 @@ def _group_prob(logits, stats):
 
 def _scores_kernel(len_ref, q_ref, b_ref, s_ref, *, d: int, r: int, group: int,
                    chunk_size: int, num_chunks: int, block_c: int, num_blocks: int,
-                   two_sided: bool):
+                   two_sided: bool, group_dims: str):
   """len [1] int32; q [Hq, D] (this sequence's queries); bounds [2D or D, NC] (this KV head)
   -> s [NCp] f32 group-summed softmax scores of the chunks, 0 for chunks with no valid slot."""
   length = len_ref[0]
-  qs, keep, qr = _top_r(q_ref, d, r, group)
+  qs, keep, qr = _top_r(q_ref, d, r, group, group_dims)
   dim = jnp.arange(d)
   rows = dim
   if two_sided:  # kmax row (D + d) where the group-summed q_d > 0
@@ -124,12 +128,13 @@ def _scores_kernel(len_ref, q_ref, b_ref, s_ref, *, d: int, r: int, group: int,
 
 
 def _quant_scores_kernel(len_ref, q_ref, step_ref, codes_ref, s_ref, *, d: int, r: int,
-                         group: int, bits: int, num_bytes: int, block_n: int, num_blocks: int):
+                         group: int, bits: int, num_bytes: int, block_n: int, num_blocks: int,
+                         group_dims: str):
   """`stage2="quant"`'s kernel 1. len [1]; q [Hq, D]; step [D] f32 grid steps; codes [D, Nb]
   uint8 (slot i: byte i % Nb, bits (i // Nb) * bits) -> s [Cp] f32 group-summed softmax of the
   slots' logits (`methods/stage2/quant.slot_logits_xla`), 0 for invalid slots, in slot order."""
   length = len_ref[0]
-  _, keep, qr = _top_r(q_ref, d, r, group)
+  _, keep, qr = _top_r(q_ref, d, r, group, group_dims)
   step = step_ref[...].astype(jnp.float32)
   qr = [x * step for x in qr]
   rows = jnp.where(keep, jnp.arange(d), -1)
@@ -286,7 +291,7 @@ def _specs(hq: int, d: int, ncp: int):
           pl.BlockSpec((None, None, ncp), lambda i, j: (i, j, 0)))
 
 
-def _chunk_scores(q, bounds, lens, *, chunk_size, r, block_c, interpret, params):
+def _chunk_scores(q, bounds, lens, *, chunk_size, r, group_dims, block_c, interpret, params):
   """Kernel 1: q [B, Hq, D], bounds [B, Hkv, 2D or D, NC], lens [B, 1] -> [B, Hkv, NCp] f32."""
   b, hq, d = q.shape
   hkv, rows, nc = bounds.shape[1:]
@@ -295,7 +300,7 @@ def _chunk_scores(q, bounds, lens, *, chunk_size, r, block_c, interpret, params)
   return pl.pallas_call(
       functools.partial(_scores_kernel, d=d, r=r, group=hq // hkv, chunk_size=chunk_size,
                         num_chunks=nc, block_c=block_c, num_blocks=cdiv(nc, block_c),
-                        two_sided=rows == 2 * d),
+                        two_sided=rows == 2 * d, group_dims=group_dims),
       grid=(b, hkv),
       in_specs=[lspec, qspec, pl.BlockSpec((None, None, rows, nc), lambda i, j: (i, j, 0, 0))],
       out_specs=sspec, out_shape=jax.ShapeDtypeStruct((b, hkv, ncp), jnp.float32),
@@ -303,12 +308,13 @@ def _chunk_scores(q, bounds, lens, *, chunk_size, r, block_c, interpret, params)
   )(lens, q, bounds)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "r", "top_k", "interpret",
-                                             "block_c", "block_a", "block_s", "return_taken",
-                                             "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("chunk_size", "r", "top_k", "group_dims",
+                                             "interpret", "block_c", "block_a", "block_s",
+                                             "return_taken", "num_warps", "num_stages"))
 def fused_select_attend(q: jax.Array, k: jax.Array, v: jax.Array, bounds: jax.Array,
                         length: jax.Array, *, chunk_size: int, r: int, top_k: int,
-                        interpret: bool = False, block_c: int = 64, block_a: int = 128,
+                        group_dims: str = "sum", interpret: bool = False, block_c: int = 64,
+                        block_a: int = 128,
                         block_s: int = 8192,
                         return_taken: bool = False, num_warps: int = 4, num_stages: int = 2):
   """RocketKV's stage 2 and attention for one decode query: two kernels.
@@ -319,7 +325,7 @@ def fused_select_attend(q: jax.Array, k: jax.Array, v: jax.Array, bounds: jax.Ar
     bounds: [B, Hkv, 2D, NC] chunk min rows then max rows (`KVCache.bounds`), or with
       chunk_size 1 the keys' one copy [B, Hkv, D, C]; NC = ceil(C / chunk_size).
     length: [B] int32 valid slots (slots [0, length) are valid).
-    chunk_size, r, top_k: the plan's (top_k <= C).
+    chunk_size, r, top_k, group_dims: the plan's (top_k <= C).
     interpret: Pallas interpret mode (CPU testing).
     block_c: chunks per block of the scoring kernel; block_a: chunks per block of the
       attention loop; block_s: chunk scores held in registers by the selection (8192 fp32 over
@@ -340,8 +346,8 @@ def fused_select_attend(q: jax.Array, k: jax.Array, v: jax.Array, bounds: jax.Ar
   lens = length.astype(jnp.int32).reshape(b, 1)
   params = compiler_params(num_warps, num_stages)
   # [B, Hkv, NCp] float32, NCp = a power of two >= NC (the tail counts 0 slots)
-  scores = _chunk_scores(q, bounds, lens, chunk_size=chunk_size, r=r, block_c=bc,
-                         interpret=interpret, params=params)
+  scores = _chunk_scores(q, bounds, lens, chunk_size=chunk_size, r=r, group_dims=group_dims,
+                         block_c=bc, interpret=interpret, params=params)
   return _attend(lens, scores, q, k, v, top_k=top_k, chunk_size=chunk_size, num_chunks=nc,
                  block_a=block_a, block_s=block_s, return_taken=return_taken, interpret=interpret,
                  params=params)
@@ -377,12 +383,13 @@ def _attend(lens, scores, q, k, v, *, top_k, chunk_size, num_chunks, block_a, bl
   return outs[0]
 
 
-@functools.partial(jax.jit, static_argnames=("r", "bits", "top_k", "interpret", "block_n",
-                                             "block_a", "block_s", "return_taken", "num_warps",
-                                             "num_stages"))
+@functools.partial(jax.jit, static_argnames=("r", "bits", "top_k", "group_dims", "interpret",
+                                             "block_n", "block_a", "block_s", "return_taken",
+                                             "num_warps", "num_stages"))
 def fused_quant_attend(q: jax.Array, k: jax.Array, v: jax.Array, codes: jax.Array,
                        step: jax.Array, length: jax.Array, *, r: int, bits: int, top_k: int,
-                       interpret: bool = False, block_n: int = 64, block_a: int = 128,
+                       group_dims: str = "sum", interpret: bool = False, block_n: int = 64,
+                       block_a: int = 128,
                        block_s: int = 8192, return_taken: bool = False, num_warps: int = 4,
                        num_stages: int = 2):
   """`stage2="quant"`'s select + attend (no mean-value fill) in two kernels: the slots' scores
@@ -391,7 +398,7 @@ def fused_quant_attend(q: jax.Array, k: jax.Array, v: jax.Array, codes: jax.Arra
   Args:
     q: [B, Hq, D]; k, v: [B, Hkv, C, D] the cache; codes: [B, Hkv, D, Nb] uint8 and step:
       [B, Hkv, D] float32 (`QuantState.codes`, `.step`); length: [B] valid slots.
-    r, bits, top_k: the plan's r, the codes' bits, min(top_k, C).
+    r, bits, top_k, group_dims: the plan's r and group_dims, the codes' bits, min(top_k, C).
     block_n: code bytes per block of kernel 1; the rest as `fused_select_attend`.
   Returns:
     [B, Hq, D] in q's dtype: `attend(q, cache, select_quant(...))`; with `return_taken`, also
@@ -414,7 +421,7 @@ def fused_quant_attend(q: jax.Array, k: jax.Array, v: jax.Array, codes: jax.Arra
   lspec, qspec, sspec = _specs(hq, d, ncp)
   scores = pl.pallas_call(
       functools.partial(_quant_scores_kernel, d=d, r=r, group=hq // hkv, bits=bits,
-                        num_bytes=nb, block_n=bn, num_blocks=cdiv(nb, bn)),
+                        num_bytes=nb, block_n=bn, num_blocks=cdiv(nb, bn), group_dims=group_dims),
       grid=(b, hkv),
       in_specs=[lspec, qspec, pl.BlockSpec((None, None, d), lambda i, j: (i, j, 0)),
                 pl.BlockSpec((None, None, d, nb), lambda i, j: (i, j, 0, 0))],

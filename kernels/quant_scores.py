@@ -48,11 +48,11 @@ def _kernel(rows_ref, q_ref, codes_ref, o_ref, *, num_bytes: int, group: int, bi
       o_ref[g, j, :] = jnp.sum(plane * q_ref[g, :][:, None], axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("r", "bits", "capacity", "interpret", "block_n",
-                                             "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("r", "bits", "capacity", "group_dims", "interpret",
+                                             "block_n", "num_warps", "num_stages"))
 def quant_slot_logits(q: jax.Array, codes: jax.Array, step: jax.Array, *, r: int, bits: int,
-                      capacity: int, interpret: bool = False, block_n: int = 128,
-                      num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+                      capacity: int, group_dims: str = "sum", interpret: bool = False,
+                      block_n: int = 128, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
   """Approximate logits of every slot from its key codes, up to a per-query-head constant.
 
   Args:
@@ -62,6 +62,7 @@ def quant_slot_logits(q: jax.Array, codes: jax.Array, step: jax.Array, *, r: int
     r: head dims read (static).
     bits: bits per code (static; one of 1, 2, 4, 8).
     capacity: the cache's slots C (static; C <= Nb * 8 / bits).
+    group_dims: how the group picks the r dims, `ops.GROUP_DIMS` (static).
     interpret: run the kernel in Pallas interpret mode (CPU testing).
     block_n: code bytes per program (power of two >= 16).
     num_warps, num_stages: Triton launch parameters.
@@ -89,7 +90,7 @@ def quant_slot_logits(q: jax.Array, codes: jax.Array, step: jax.Array, *, r: int
   g = q.shape[1] // hkv
   rp = padded_dim(r)
 
-  ridx, qs = coded_query(group_queries(q, hkv).astype(jnp.float32), step, r)
+  ridx, qs = coded_query(group_queries(q, hkv).astype(jnp.float32), step, r, group_dims)
   rows = jnp.pad(ridx.astype(jnp.int32), ((0, 0), (0, 0), (0, rp - r)), constant_values=-1)
   qs = jnp.pad(qs, ((0, 0), (0, 0), (0, 0), (0, rp - r)))
 

@@ -65,6 +65,8 @@ class Plan:
       rocketkv_mt: `RocketConfig.skip_layers`; 0 otherwise).
     window_reduce: stage 1's reduction of the window's probabilities, "sum" | "max"
       (`RocketConfig.window_reduce`).
+    group_dims: how stage 2's r query dims weigh the group's heads, "sum" | "normalized"
+      (`RocketConfig.group_dims`, `ops.top_r_dims`).
     read_mass: `exact_topp`'s share of each head's attention mass to read (0.0 otherwise).
   """
 
@@ -85,6 +87,7 @@ class Plan:
   stage2: object = None  # a methods.stage2.Stage2 (not imported: see the module docstring)
   skip_layers: int = 0
   window_reduce: str = "sum"
+  group_dims: str = "sum"
   read_mass: float = 0.0
 
   @property

@@ -18,9 +18,10 @@ from rocketkv_jax.evict import WINDOW_REDUCE
 from rocketkv_jax.methods import METHODS, STAGE2
 from rocketkv_jax.methods import stage2 as stage2_lib
 from rocketkv_jax.methods.stage2 import Stage2
+from rocketkv_jax.ops import GROUP_DIMS
 
-__all__ = ["METHODS", "Plan", "RocketConfig", "STAGE2", "WINDOW_REDUCE", "check_num_layers",
-           "plan"]
+__all__ = ["GROUP_DIMS", "METHODS", "Plan", "RocketConfig", "STAGE2", "WINDOW_REDUCE",
+           "check_num_layers", "plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,14 @@ class RocketConfig:
       and the paper) or "max" (the largest probability any of them gives the key, so one sharp
       query is not outweighed by the others' diffuse mass). Every method with a SnapKV stage 1
       (rocketkv, rocketkv_mt, snapkv) honours it.
+    group_dims: how the G query heads of a KV head's group weigh in stage 2's choice of the r
+      query dims its approximate scores use (`GROUP_DIMS`): "sum" (SparQ and the paper: the r
+      dims with the largest |q| summed over the group) or "normalized" (each head's |q| divided
+      by its own sum over the dims first: every head counts the same, as the group-summed
+      softmax of the scores counts them, so a head with a small query norm still gets its
+      dims). The same bytes read either way. For the methods that pick dims
+      (`Method.picks_dims`: rocketkv, rocketkv_mt, sparq; not with `stage2="lowrank"`);
+      others reject a value other than "sum". docs/stage2_variants.md has the measurements.
     alpha, capacity, prompt_budget, top_k, chunk_size, r: optional overrides of the split.
       A fixed `alpha` reproduces the paper's ablations.
     page_size: Quest page size (tokens per min/max summary).
@@ -65,6 +74,7 @@ class RocketConfig:
   window_size: int = 32
   kernel_size: int = 63
   window_reduce: str = "sum"
+  group_dims: str = "sum"
   alpha: float | None = None
   capacity: int | None = None
   prompt_budget: int | None = None
@@ -85,6 +95,8 @@ class RocketConfig:
     require(self.kernel_size % 2 == 1, f"kernel_size must be odd, got {self.kernel_size}")
     require(self.window_reduce in WINDOW_REDUCE, f"window_reduce must be one of "
             f"{list(WINDOW_REDUCE)}, got {self.window_reduce!r}")
+    require(self.group_dims in GROUP_DIMS, f"group_dims must be one of {list(GROUP_DIMS)}, "
+            f"got {self.group_dims!r}")
     # A name becomes its variant object: configs are equal whichever way they were asked for.
     object.__setattr__(self, "stage2", stage2_lib.get(self.stage2))
     s2 = self.stage2.name
@@ -96,6 +108,10 @@ class RocketConfig:
             f"skip_layers={self.skip_layers} needs method in "
             f"{sorted(n for n, m in methods.REGISTRY.items() if m.accepts_skip_layers)}"
             f", got {self.method!r}")
+    require(self.group_dims == "sum" or (method.picks_dims and self.stage2.picks_dims),
+            f"group_dims={self.group_dims!r} needs method in "
+            f"{sorted(n for n, m in methods.REGISTRY.items() if m.picks_dims)} and a stage2 "
+            f"other than 'lowrank', got method={self.method!r}, stage2={s2!r}")
     require(self.read_mass is None or method.reads_by_mass,
             f"read_mass needs method in "
             f"{sorted(n for n, m in methods.REGISTRY.items() if m.reads_by_mass)}"
@@ -134,6 +150,7 @@ def plan(config: RocketConfig, prompt_len: int, max_new_tokens: int, head_dim: i
   require(split["r"] <= head_dim, f"r must be in [1, head_dim={head_dim}], got {split['r']}")
   return Plan(method=config.method, window_size=config.window_size,
               kernel_size=config.kernel_size, window_reduce=config.window_reduce,
+              group_dims=config.group_dims,
               sink_size=config.sink_size, head_dim=head_dim,
               prompt_len=prompt_len, max_new_tokens=max_new_tokens,
               token_budget=config.token_budget, **split)

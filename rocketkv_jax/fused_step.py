@@ -46,7 +46,7 @@ def select_attend(q: jax.Array, cache: KVCache, plan, *, sliding_window: int | N
     from rocketkv_jax.kernels import fused_decode  # imported on first use (Pallas is heavy)
     return fused_decode.fused_select_attend(
         q, cache.k, cache.v, cache.bounds, cache.length, chunk_size=cache.chunk_size, r=plan.r,
-        top_k=min(plan.top_k, cache.capacity), interpret=interpret)
+        top_k=min(plan.top_k, cache.capacity), group_dims=plan.group_dims, interpret=interpret)
 
   return _impl.dispatch(impl, lambda: chain("xla"), pallas)
 
@@ -72,6 +72,6 @@ def quant_attend(q: jax.Array, state, plan, *, sliding_window: int | None = None
     from rocketkv_jax.kernels import fused_decode  # imported on first use (Pallas is heavy)
     return fused_decode.fused_quant_attend(
         q, cache.k, cache.v, state.codes, state.step, cache.length, r=plan.r, bits=state.bits,
-        top_k=min(plan.top_k, cache.capacity), interpret=interpret)
+        top_k=min(plan.top_k, cache.capacity), group_dims=plan.group_dims, interpret=interpret)
 
   return _impl.dispatch(impl, lambda: chain("xla"), pallas)

@@ -8,9 +8,10 @@
 - `gather_rows`: the rows of `[B, H, L, D]` named by per-head indices (stage 1's kept tokens,
   stage 2's selected slots).
 - `sink_recent_indices`: StreamingLLM's sink + most recent positions.
-- `top_r_dims`, `approx_scale`: RocketKV / SparQ's choice of the r query dims, the bound each
-  reads (kmax where the group-summed q is positive, else kmin), and the softmax temperature
-  correction 1 / sqrt(D * sum|q_r| / sum|q|); `bound_rows_and_query` applies both (the rows of
+- `top_r_dims`, `approx_scale`: RocketKV / SparQ's choice of the r query dims (`GROUP_DIMS`:
+  how the group's query heads weigh in it), the bound each reads (kmax where the group-summed
+  q is positive, else kmin), and the softmax temperature correction
+  1 / sqrt(D * sum|q_r| / sum|q|); `bound_rows_and_query` applies both (the rows of
   `KVCache.bounds` a score reads and the scaled query on them).
 """
 
@@ -78,18 +79,33 @@ def sink_recent_indices(n: jax.Array, k: int, sink: int) -> jax.Array:
   return jnp.where((j < s) | (n <= k), j, n - (k - s) + (j - s))
 
 
-def top_r_dims(qg: jax.Array, r: int) -> tuple[jax.Array, jax.Array]:
+# How the G query heads of a KV head's group weigh in the choice of the r dims: "sum" (SparQ
+# and the paper: |q| summed over the group) or "normalized" (each head's |q| divided by its own
+# sum over the dims first, so every head counts the same, as the group-summed softmax counts them).
+GROUP_DIMS = ("sum", "normalized")
+
+
+def dim_weights(qg: jax.Array, group_dims: str = "sum") -> jax.Array:
+  """Per-dim weights the r dims are the largest of: qg [B, Hkv, G, D] -> [B, Hkv, D] float32."""
+  a = jnp.abs(qg)
+  if group_dims == "normalized":
+    a = a / jnp.maximum(jnp.sum(a, axis=-1, keepdims=True), 1e-30)
+  return jnp.sum(a, axis=2)
+
+
+def top_r_dims(qg: jax.Array, r: int, group_dims: str = "sum") -> tuple[jax.Array, jax.Array]:
   """RocketKV / SparQ's approximate-score dims.
 
   Args:
     qg: [B, Hkv, G, D] float32 queries grouped by KV head.
     r: dims to keep (static).
+    group_dims: one of `GROUP_DIMS` (static).
   Returns:
-    (ridx [B, Hkv, r] the r dims with the largest |q| summed over the group,
+    (ridx [B, Hkv, r] the r dims with the largest `dim_weights` (ties to the lower dim),
      positive [B, Hkv, D] whether the group-summed q_d > 0: dim d then reads the chunk's kmax,
      else its kmin).
   """
-  _, ridx = lax.top_k(jnp.sum(jnp.abs(qg), axis=2), r)
+  _, ridx = lax.top_k(dim_weights(qg, group_dims), r)
   return ridx, jnp.sum(qg, axis=2) > 0
 
 
@@ -103,8 +119,8 @@ def approx_scale(q_r: jax.Array, qg: jax.Array) -> jax.Array:
   return lax.rsqrt(jnp.float32(qg.shape[-1]) * jnp.where(frac > 0, frac, 1.0))
 
 
-def bound_rows_and_query(qg: jax.Array, r: int,
-                         two_sided: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+def bound_rows_and_query(qg: jax.Array, r: int, two_sided: bool = True,
+                         group_dims: str = "sum") -> tuple[jax.Array, jax.Array, jax.Array]:
   """The r summary rows one RocketKV approximate score reads, and the scaled query on them.
 
   Args:
@@ -112,13 +128,14 @@ def bound_rows_and_query(qg: jax.Array, r: int,
     r: dims to keep (static).
     two_sided: the summaries hold kmin and kmax rows (`KVCache.bounds` [.., 2D, NC]); False for
       one copy of the keys ([.., D, C], chunks of one slot: `cache.two_sided`).
+    group_dims: one of `GROUP_DIMS`, how the group picks the dims (`top_r_dims`).
   Returns:
     (ridx [B, Hkv, r] the kept dims (`top_r_dims`),
      rows [B, Hkv, r] their rows of `KVCache.bounds`: d + D (kmax) where the group-summed
        q_d > 0, else d (kmin); d with one copy,
      q_r [B, Hkv, G, r] q on those dims times `approx_scale`).
   """
-  ridx, positive = top_r_dims(qg, r)
+  ridx, positive = top_r_dims(qg, r, group_dims)
   if two_sided:
     pos = jnp.take_along_axis(positive, ridx, axis=-1)
     rows = ridx + qg.shape[-1] * pos.astype(ridx.dtype)

@@ -26,7 +26,7 @@ from rocketkv_jax.ops import (bound_rows_and_query, chunk_valid, group_queries,
 
 
 def approx_bounds_scores_xla(q: jax.Array, bounds: jax.Array, length: jax.Array,
-                             chunk_size: int, r: int) -> jax.Array:
+                             chunk_size: int, r: int, group_dims: str = "sum") -> jax.Array:
   """`approx_chunk_scores_xla` on the cache's summary layout.
 
   Reads only the r rows it needs: dim d's kmax row (d + D) where the group-summed q_d > 0, else
@@ -38,14 +38,14 @@ def approx_bounds_scores_xla(q: jax.Array, bounds: jax.Array, length: jax.Array,
     q: [B, Hq, D] decode query (post-RoPE).
     bounds: [B, Hkv, 2D, NC] chunk summaries (`KVCache.bounds`: kmin rows, then kmax rows), or
       with chunk_size 1 the keys' one copy [B, Hkv, D, C].
-    length, chunk_size, r: as in `approx_chunk_scores_xla`.
+    length, chunk_size, r, group_dims: as in `approx_chunk_scores_xla`.
   Returns:
     [B, Hkv, NC] float32 group-summed softmax scores; 0 for chunks with no valid slot.
   """
   hkv, nc = bounds.shape[1], bounds.shape[3]
   qg = group_queries(q, hkv).astype(jnp.float32)
   # [B, Hkv, r] rows of bounds, [B, Hkv, G, r]
-  _, rows, q_r = bound_rows_and_query(qg, r, two_sided(bounds, q.shape[2]))
+  _, rows, q_r = bound_rows_and_query(qg, r, two_sided(bounds, q.shape[2]), group_dims)
   # The gathered rows in fp32 (the convert fuses into the gather): XLA:CPU has no bf16 x bf16
   # -> f32 kernel for every dot shape.
   k_r = jnp.take_along_axis(bounds, rows[..., None], axis=2).astype(jnp.float32)  # [B,Hkv,r,NC]
@@ -54,7 +54,7 @@ def approx_bounds_scores_xla(q: jax.Array, bounds: jax.Array, length: jax.Array,
 
 
 def approx_chunk_scores_xla(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: jax.Array,
-                            chunk_size: int, r: int) -> jax.Array:
+                            chunk_size: int, r: int, group_dims: str = "sum") -> jax.Array:
   """RocketKV / SparQ approximate scores per chunk.
 
   Args:
@@ -63,10 +63,11 @@ def approx_chunk_scores_xla(q: jax.Array, kmin: jax.Array, kmax: jax.Array, leng
     length: [B] valid slots.
     chunk_size: slots per chunk.
     r: head dims kept.
+    group_dims: how the group's heads weigh in the choice of the r dims (`ops.GROUP_DIMS`).
   Returns:
     [B, Hkv, NC] float32 group-summed softmax scores; 0 for chunks with no valid slot.
   """
-  return approx_bounds_scores_xla(q, bounds_of(kmin, kmax), length, chunk_size, r)
+  return approx_bounds_scores_xla(q, bounds_of(kmin, kmax), length, chunk_size, r, group_dims)
 
 
 def quest_bounds_scores_xla(q: jax.Array, bounds: jax.Array, length: jax.Array,
@@ -189,11 +190,14 @@ def check_chunks(cache: KVCache, chunk_size: int) -> None:
           f"plan.chunk_size={chunk_size} must match the cache's {cache.chunk_size}")
 
 
-def approx_scores(q: jax.Array, cache: KVCache, r: int, *, impl: str = "auto") -> jax.Array:
+def approx_scores(q: jax.Array, cache: KVCache, r: int, *, group_dims: str = "sum",
+                  impl: str = "auto") -> jax.Array:
   """RocketKV / SparQ chunk scores `[B, Hkv, NC]` of the cache's summaries (kernel or XLA)."""
   return _impl.dispatch(
-      impl, lambda: approx_bounds_scores_xla(q, cache.bounds, cache.length, cache.chunk_size, r),
-      "approx_bounds_scores", q, cache.bounds, cache.length, chunk_size=cache.chunk_size, r=r)
+      impl, lambda: approx_bounds_scores_xla(q, cache.bounds, cache.length, cache.chunk_size, r,
+                                             group_dims),
+      "approx_bounds_scores", q, cache.bounds, cache.length, chunk_size=cache.chunk_size, r=r,
+      group_dims=group_dims)
 
 
 def top_chunk_slots(chunk_scores: jax.Array, cache: KVCache, k: int,

@@ -78,7 +78,16 @@ def chunk_bounds(k, length, chunk):
   return kmin, kmax
 
 
-def approx_slot_scores(q, k, length, chunk, r):
+def dim_weights(qg, group_dims="sum"):
+  """Per-dim weights of a group's queries qg [G, D] whose r largest are stage 2's dims: |q| summed
+  over the heads, each head's |q| first divided by its sum over the dims with "normalized"."""
+  a = np.abs(np.asarray(qg, np.float64))
+  if group_dims == "normalized":
+    a = a / a.sum(1, keepdims=True)
+  return a.sum(0)
+
+
+def approx_slot_scores(q, k, length, chunk, r, group_dims="sum"):
   """RocketKV stage-2 score of every slot: q [Hq, D], k [Hkv, C, D] -> [Hkv, C] (-inf invalid)."""
   q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
   hq, d = q.shape
@@ -90,7 +99,7 @@ def approx_slot_scores(q, k, length, chunk, r):
   out = np.full((hkv, c), -np.inf)
   for h in range(hkv):
     qg = q[h * g:(h + 1) * g]
-    dims = np.argsort(-np.abs(qg).sum(0), kind="stable")[:r]
+    dims = np.argsort(-dim_weights(qg, group_dims), kind="stable")[:r]
     pos = qg.sum(0) > 0
     bound = np.where(pos[None, :], kmax[h], kmin[h])[:, dims]  # [NC, r]
     total = np.zeros(nc)

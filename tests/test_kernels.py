@@ -32,7 +32,7 @@ from rocketkv_jax.methods.stage2.quant import slot_logits_xla
 # Module-scope jitted references: one compilation per shape instead of op-by-op dispatch.
 sparse_attention_xla = jax.jit(_sparse_xla)
 window_scores_xla = jax.jit(_window_xla, static_argnums=3)
-approx_chunk_scores_xla = jax.jit(_approx_xla, static_argnums=(4, 5))
+approx_chunk_scores_xla = jax.jit(_approx_xla, static_argnums=(4, 5, 6))
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -107,6 +107,7 @@ _summaries = jax.jit(chunk_summaries, static_argnums=2)
 APPROX_CASES = [
     (2, 4, 4, 50, 64, 3, 20, F32, (50, 1), {}),                      # G=1, full / nearly empty
     (2, 8, 2, 150, 128, 2, 61, BF16, (97, 150), {"block_c": 16}),   # G=4, NC off the block
+    (2, 8, 2, 60, 64, 3, 9, F32, (60, 31), {"group_dims": "normalized"}),  # G=4, heads weighed 1:1
     (1, 16, 2, 40, 64, 1, 64, F32, (0,), {}),                        # G=8, empty cache, r = D
     (2, 6, 2, 70, 128, 4, 1, BF16, (3, 70), {}),                     # G=3, r = 1
 ]
@@ -122,9 +123,12 @@ def test_approx_chunk_scores_interpret(case):
   kmin, kmax = _summaries(k, length, cs)
   out = kernels.approx_chunk_scores(q, kmin, kmax, length, chunk_size=cs, r=r, interpret=True,
                                     **kw)
-  ref = approx_chunk_scores_xla(q, kmin, kmax, length, cs, r)
+  ref = approx_chunk_scores_xla(q, kmin, kmax, length, cs, r, kw.get("group_dims", "sum"))
   assert out.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-6)
+  if "group_dims" in kw:  # the rule changes the scores here, so the kernel must follow it
+    other = approx_chunk_scores_xla(q, kmin, kmax, length, cs, r, "sum")
+    assert np.abs(np.asarray(other) - np.asarray(ref)).max() > 1e-3
   nvalid = -(-np.asarray(length) // cs)
   for i in range(b):  # each query head's softmax sums to 1 over valid chunks
     np.testing.assert_allclose(np.asarray(out[i]).sum(-1), (hq // hkv) * (nvalid[i] > 0),
@@ -166,6 +170,7 @@ def test_window_scores_interpret(case):
 QUANT_CASES = [
     (2, 4, 4, 63, 64, 4, 20, F32, (63, 1), {}),                      # G=1, partial last byte
     (2, 8, 2, 150, 128, 2, 61, BF16, (97, 150), {"block_n": 16}),   # G=4, bytes off the block
+    (2, 8, 2, 50, 64, 4, 9, F32, (50, 17), {"group_dims": "normalized"}),  # G=4, heads 1:1
     (1, 16, 2, 40, 64, 8, 64, F32, (0,), {}),                        # G=8, empty cache, r = D
     (2, 6, 2, 70, 128, 1, 1, BF16, (3, 70), {}),                     # G=3, r = 1, 8 planes
 ]
@@ -194,18 +199,23 @@ def test_quant_slot_logits_interpret(case):
   nb, per = codes.shape[-1], 8 // bits
   slot = np.arange(c)
   code = (codes[..., slot % nb] >> ((slot // nb) * bits)) & (2 ** bits - 1)  # [B, Hkv, D, C]
+  gd = kw.get("group_dims", "sum")
   for i in range(b):
     for h in range(hkv):
       absq = np.abs(qg[i, h])  # [G, D]
-      dims = np.argsort(-absq.sum(0), kind="stable")[:r]  # largest group-summed |q|
+      w = absq / absq.sum(1, keepdims=True) if gd == "normalized" else absq  # ops.GROUP_DIMS
+      dims = np.argsort(-w.sum(0), kind="stable")[:r]  # largest group-summed weights
       scale = 1 / np.sqrt(d * absq[:, dims].sum(1) / absq.sum(1))  # per query head (SparQ)
       step = np.asarray(state.step[i, h], np.float64)[dims]
       want = (qg[i, h][:, dims] * scale[:, None] * step) @ code[i, h, dims]  # [G, C]
       np.testing.assert_allclose(np.asarray(out[i, h]), want, rtol=1e-4,
                                  atol=1e-5 * np.abs(want).max(initial=1))
   # and the XLA path it stands in for, on the same state
-  ref = jax.jit(slot_logits_xla, static_argnums=2)(q, state, r)
+  ref = jax.jit(slot_logits_xla, static_argnums=(2, 3))(q, state, r, gd)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+  if gd != "sum":  # the rule changes the logits here, so the kernel must follow it
+    other = jax.jit(slot_logits_xla, static_argnums=(2, 3))(q, state, r, "sum")
+    assert np.abs(np.asarray(other) - np.asarray(ref)).max() > 1e-3
 
 
 def test_bad_shapes_raise():

@@ -23,15 +23,17 @@ NAMES = sorted(methods.REGISTRY)
 # other than the default, as "method:stage2" (small lowrank pages so that several are summarised).
 VARIANTS = NAMES + [f"{n}:{s}" for n in NAMES for s in methods.get(n).stage2_variants
                     if s != "minmax"]
+# "method:stage2:group_dims": the methods that pick dims, under RocketConfig.group_dims.
+GROUP_DIMS_SPECS = ["rocketkv::normalized", "rocketkv:quant:normalized", "sparq::normalized"]
 B, HKV, G, D, L, NEW, BUDGET = 2, 2, 2, 16, 48, 6, 16
 LENGTHS = np.array([48, 29], np.int32)
 LAYER = 2  # a layer index no method keeps dense here (Quest's are 0 and 1)
 
 
 def _config(spec, **kw):
-  name, _, stage2 = spec.partition(":")
+  name, stage2, group_dims = (spec.split(":") + ["", ""])[:3]
   kw = dict(dict(token_budget=BUDGET, window_size=4, page_size=4, sink_size=2,
-                 stage2=stage2_of(stage2)), **kw)
+                 stage2=stage2_of(stage2), group_dims=group_dims or "sum"), **kw)
   return rocketkv.RocketConfig(method=name, **kw)
 
 
@@ -204,3 +206,12 @@ def test_unknown_method_and_registry():
     if "rerank" not in methods.get(name).stage2_variants:
       with pytest.raises(ValueError, match="needs method in"):
         rocketkv.RocketConfig(token_budget=64, method=name, stage2="rerank")
+
+
+@pytest.mark.parametrize("spec", GROUP_DIMS_SPECS)
+def test_group_dims_meets_the_contract(spec):
+  """`group_dims="normalized"` through the same contract (its numbers: tests/test_select.py)."""
+  assert _config(spec).group_dims == "normalized"
+  test_ragged_batch_equals_each_row_alone_and_compiles_once(spec)
+  test_selection_respects_the_budget(spec)
+  test_dense_layers_attend_to_every_slot(spec)

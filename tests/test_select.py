@@ -36,20 +36,20 @@ def _check_mass(idx, scores, length, top_k):
 @given(seed=st.integers(0, 10_000), g=st.sampled_from([1, 3, 4]), hkv=st.sampled_from([1, 2]),
        c=st.sampled_from([16, 41, 97]), chunk=st.sampled_from([1, 2, 3, 5]),
        r=st.sampled_from([1, 4, 11, 16]), top_k=st.sampled_from([1, 7, 32, 64]),
-       short=st.integers(0, 7))
+       short=st.integers(0, 7), group_dims=st.sampled_from(rocketkv.GROUP_DIMS))
 @settings(max_examples=12, deadline=None)
-def test_rocketkv_select_matches_reference(seed, g, hkv, c, chunk, r, top_k, short):
+def test_rocketkv_select_matches_reference(seed, g, hkv, c, chunk, r, top_k, short, group_dims):
   d, b = 16, 2
   lengths = [c, max(1, c - short * 7)]
   cache, k = _cache(seed, b, hkv, c, d, lengths, chunk)
   q = np.random.default_rng(seed + 1).standard_normal((b, g * hkv, d)).astype(np.float32)
   cfg = rocketkv.RocketConfig(token_budget=64, window_size=1, chunk_size=chunk, r=r,
-                              top_k=top_k)
+                              top_k=top_k, group_dims=group_dims)
   plan = rocketkv.plan(cfg, c, 0, d)
   idx = rocketkv.select(jnp.asarray(q), cache, plan)
   assert idx.shape == (b, hkv, min(top_k, c)) and idx.dtype == jnp.int32
   for bi in range(b):
-    scores = ref.approx_slot_scores(q[bi], k[bi], lengths[bi], chunk, r)
+    scores = ref.approx_slot_scores(q[bi], k[bi], lengths[bi], chunk, r, group_dims)
     _check_mass(np.asarray(idx[bi]), scores, lengths[bi], min(top_k, c))
 
 
@@ -222,3 +222,51 @@ def test_mass_oracle_counts_its_reads():
     _, state = rocketkv.decode_step(q, kn, kn, state, plan)
   np.testing.assert_allclose(np.asarray(method.rows_read(state)), want / new, rtol=1e-6)
   assert np.all(want / new < np.asarray(lengths) + new)  # fewer than every row: it selected
+
+
+def _two_heads_query(d=16):
+  """One KV head, G = 2: head 0 loud on dims 0-7, head 1 ten times quieter and sharp on dims
+  8-9. Summed |q| picks head 0's dims; normalized, head 1's two dims come first."""
+  q = np.zeros((1, 2, d), np.float32)
+  q[0, 0, :8] = 10.0 * np.array([1, -1, 1, -1, 1, -1, 1, -1])
+  q[0, 1] = 0.05
+  q[0, 1, 8:10] = [1.0, -1.0]
+  return q
+
+
+def test_group_dims_normalized_gives_a_quiet_head_its_dims():
+  """The two rules pick different dims on the same query (so neither is a no-op), each as the
+  float64 reference does; and the selection follows the reference under both."""
+  from rocketkv_jax.ops import top_r_dims
+  q = _two_heads_query()
+  qg = jnp.asarray(q).reshape(1, 1, 2, -1)
+  for rule, want in (("sum", set(range(2))), ("normalized", {8, 9})):
+    ridx = np.asarray(top_r_dims(qg, 2, rule)[0])[0, 0]
+    assert set(ridx.tolist()) == want
+    np.testing.assert_array_equal(
+        ridx, np.argsort(-ref.dim_weights(q[0], rule), kind="stable")[:2])
+  c, d = 40, 16
+  cache, k = _cache(3, 1, 1, c, d, [c], 2)
+  for rule in rocketkv.GROUP_DIMS:
+    plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=16, window_size=1, chunk_size=2, r=2,
+                                               top_k=8, group_dims=rule), c, 0, d)
+    idx = rocketkv.select(jnp.asarray(q), cache, plan)
+    _check_mass(np.asarray(idx[0]), ref.approx_slot_scores(q[0], k[0], c, 2, 2, rule), c, 8)
+
+
+def test_group_dims_reaches_the_plan_and_the_eval_specs():
+  from rocketkv_jax.eval import variants
+  for spec in ("rocketkv:group_dims=normalized", "sparq:group_dims=normalized",
+               "rocketkv:stage2=quant,group_dims=normalized"):
+    assert rocketkv.plan(variants.rocket_config(spec, 256), 4000, 24, 64).group_dims == \
+        "normalized"
+  assert rocketkv.plan(rocketkv.RocketConfig(token_budget=256), 4000, 24, 64).group_dims == "sum"
+  with pytest.raises(ValueError,
+                     match=r"^group_dims must be one of \['sum', 'normalized'\], got 'max'$"):
+    rocketkv.RocketConfig(token_budget=256, group_dims="max")
+  for kw in (dict(method="snapkv"), dict(stage2="lowrank")):
+    with pytest.raises(ValueError, match=r"^group_dims='normalized' needs method in "
+                                         r"\['rocketkv', 'rocketkv_mt', 'sparq'\]"):
+      rocketkv.RocketConfig(token_budget=256, group_dims="normalized", **kw)
+  with pytest.raises(ValueError, match=r"group_dims='mean' in .* must be one of"):
+    variants.parse("rocketkv:group_dims=mean")

@@ -13,6 +13,7 @@ A method spec is a name from `rocketkv.METHODS`, optionally followed by `:` and 
     rocketkv:stage2=quant,mean_value=1      SparQ's mean-value fill for the unread slots
     rocketkv:skip_layers=2          layers 0 and 1 keep their whole cache and attend densely
     rocketkv:window_reduce=max      stage 1 keeps the keys some window query attends to most
+    rocketkv:group_dims=normalized  stage 2's r dims weigh every query head of a group the same
     snapkv:window_size=16
     exact_topp:read_mass=0.9        the oracle reading 90% of each head's attention mass
 
@@ -24,7 +25,7 @@ records' plan dicts store too (`harness`), so committed results keep their spec 
 
 Values are integers, floats (`alpha`, `rerank_factor`), names (`stage2`: one of
 `rocketkv.STAGE2`; `quant_capacity`: a `Quant.capacity`; `window_reduce`: one of
-`rocketkv.WINDOW_REDUCE`), 0 / 1 (`mean_value`), or
+`rocketkv.WINDOW_REDUCE`; `group_dims`: one of `rocketkv.GROUP_DIMS`), 0 / 1 (`mean_value`), or
 `B` for the sweep's token budget (so one spec works at every budget). The spec string is the
 method's name everywhere in the results (records, tables, plots), so a variant sits next to the
 methods it is compared with. The sweep's defaults use no overrides: variants exist to find out
@@ -36,13 +37,13 @@ from __future__ import annotations
 import typing
 
 import rocketkv_jax as rocketkv
-from rocketkv_jax.config import WINDOW_REDUCE
+from rocketkv_jax.config import GROUP_DIMS, WINDOW_REDUCE
 from rocketkv_jax.methods import stage2 as stage2_lib
 
 _STAGE2_KEYS = stage2_lib.spec_keys()  # e.g. "quant_bits" -> (Quant, "bits")
 OVERRIDABLE = ("alpha", "capacity", "prompt_budget", "top_k", "chunk_size", "r", "window_size",
                "kernel_size", "page_size", "sink_size", "stage2", "skip_layers",
-               "window_reduce", "read_mass") + tuple(_STAGE2_KEYS)
+               "window_reduce", "group_dims", "read_mass") + tuple(_STAGE2_KEYS)
 
 
 def _kind(key: str) -> type:
@@ -87,7 +88,8 @@ def _stage2(spec: str, overrides: dict):
 
 
 def _value(spec: str, key: str, val: str) -> int | float | str:
-  names = {"stage2": tuple(stage2_lib.REGISTRY), "window_reduce": WINDOW_REDUCE}.get(key)
+  names = {"stage2": tuple(stage2_lib.REGISTRY), "window_reduce": WINDOW_REDUCE,
+           "group_dims": GROUP_DIMS}.get(key)
   if names is not None:
     if val not in names:
       raise ValueError(f"method override {key}={val!r} in {spec!r} must be one of "

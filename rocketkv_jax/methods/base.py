@@ -19,6 +19,7 @@ and a few class-level facts the harness and `generate` read instead of its name:
 `stage2_variants` (the names of the `RocketConfig.stage2` variants it accepts),
 `accepts_skip_layers` (whether `RocketConfig.skip_layers` may be other than 0),
 `shares_read_across_heads` (its `select` splits the layer's reads among the KV heads),
+`picks_dims` (it scores on the r query dims of `ops.top_r_dims`: `RocketConfig.group_dims`),
 `reads_by_mass` (its read per head and step follows the attention mass: the state counts it,
 `rows_read`).
 
@@ -65,6 +66,9 @@ class Method:
   # `select` reads, per head, the fewest slots holding `plan.read_mass` of the attention: its
   # index array is [B, Hkv, C], and `rows_read(state)` gives the mean rows it read per step.
   reads_by_mass: ClassVar[bool] = False
+  # Its approximate scores use the r query dims of `ops.top_r_dims` (with a stage-2 variant that
+  # does too, `Stage2.picks_dims`): RocketConfig.group_dims may be other than "sum".
+  picks_dims: ClassVar[bool] = False
 
   # ---------------------------------------------------------------- configuration
   def check_config(self, config) -> None:

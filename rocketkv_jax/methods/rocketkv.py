@@ -42,6 +42,7 @@ class RocketKV(Method):
   dense = False
   replan_per_turn = True
   accepts_skip_layers = True
+  picks_dims = True
 
   @property
   def stage2_variants(self):

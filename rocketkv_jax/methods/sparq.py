@@ -14,6 +14,7 @@ class SparQ(Method):
   name = "sparq"
   summary = "no eviction; r = D*B/T dims score every token, attend to the top B/2"
   dense = False
+  picks_dims = True
 
   def check_config(self, config):
     require_half_budget(config)
@@ -33,5 +34,5 @@ class SparQ(Method):
 def approx_select(q, cache, plan, *, sliding_window=None, impl="auto"):
   """The `plan.top_k` best slots by RocketKV / SparQ's approximate chunk scores."""
   check_chunks(cache, plan.chunk_size)
-  chunk = approx_scores(q, cache, plan.r, impl=impl)
+  chunk = approx_scores(q, cache, plan.r, group_dims=plan.group_dims, impl=impl)
   return top_chunk_slots(chunk, cache, min(plan.top_k, cache.capacity), sliding_window)

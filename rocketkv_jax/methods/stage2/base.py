@@ -40,6 +40,8 @@ class Stage2:
   state_type: ClassVar[type] = KVCache
   # Spec key -> field, where a field's key is not `<name>_<field>` (Quant's "mean_value").
   key_overrides: ClassVar[dict[str, str]] = {}
+  # Its scores use the r query dims of `ops.top_r_dims` (so `RocketConfig.group_dims` applies).
+  picks_dims: ClassVar[bool] = True
 
   # ---------------------------------------------------------------- configuration
   @classmethod

@@ -58,6 +58,7 @@ class LowRank(Stage2):
 
   name = "lowrank"
   state_type = LowRankState
+  picks_dims = False
   page_size: int = 128
   rank: int = 8
 

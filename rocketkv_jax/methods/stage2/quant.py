@@ -221,18 +221,20 @@ def append_codes(state: QuantState, new: KVCache) -> QuantState:
                        v_sum=v_sum)
 
 
-def coded_query(qg: jax.Array, step: jax.Array, r: int) -> tuple[jax.Array, jax.Array]:
+def coded_query(qg: jax.Array, step: jax.Array, r: int,
+                group_dims: str = "sum") -> tuple[jax.Array, jax.Array]:
   """The r dims a step reads and the query that multiplies their codes.
 
   Args:
     qg: [B, Hkv, G, D] float32 queries grouped by KV head.
     step: [B, Hkv, D] per-channel grid steps.
     r: dims read (static).
+    group_dims: how the group's heads weigh in the choice of dims (`ops.GROUP_DIMS`, static).
   Returns:
     (ridx [B, Hkv, r] the dims (`ops.top_r_dims`), qs [B, Hkv, G, r] q on them times SparQ's
      temperature and each dim's grid step).
   """
-  ridx, _, q_r = bound_rows_and_query(qg, r)
+  ridx, _, q_r = bound_rows_and_query(qg, r, group_dims=group_dims)
   return ridx, q_r * jnp.take_along_axis(step, ridx, axis=-1)[:, :, None, :]
 
 
@@ -242,19 +244,21 @@ def coded_query(qg: jax.Array, step: jax.Array, r: int) -> tuple[jax.Array, jax.
 FUSED_TERMS_MAX = 128
 
 
-def slot_logits_xla(q: jax.Array, state: QuantState, r: int) -> jax.Array:
+def slot_logits_xla(q: jax.Array, state: QuantState, r: int,
+                    group_dims: str = "sum") -> jax.Array:
   """Approximate logits of every slot, up to a per-query-head constant.
 
   Args:
     q: [B, Hq, D] decode query (post-RoPE).
     state: the quant state.
     r: dims read (stage 2's r).
+    group_dims: as in `coded_query`.
   Returns:
     [B, Hkv, G, C] float32: sum over the r dims of q_d * scale * step_d * code_id.
   """
   cache = state.cache
   hkv, c = cache.k_raw.shape[1], cache.capacity
-  ridx, qs = coded_query(group_queries(q, hkv).astype(jnp.float32), state.step, r)
+  ridx, qs = coded_query(group_queries(q, hkv).astype(jnp.float32), state.step, r, group_dims)
   rows = jnp.take_along_axis(state.codes, ridx[..., None], axis=2)  # [B, Hkv, r, Nb] uint8
   fused = 2 <= state.per_byte and r * state.per_byte <= FUSED_TERMS_MAX
   logits = (_fused_logits if fused else _plane_products)(qs, rows, state.bits)
@@ -279,11 +283,12 @@ def _fused_logits(qs: jax.Array, rows: jax.Array, bits: int) -> list[jax.Array]:
           for j in range(8 // bits)]
 
 
-def slot_logits(q: jax.Array, state: QuantState, r: int, *, impl: str = "auto") -> jax.Array:
+def slot_logits(q: jax.Array, state: QuantState, r: int, *, group_dims: str = "sum",
+                impl: str = "auto") -> jax.Array:
   """`slot_logits_xla`, or the Pallas kernel (`kernels.quant_slot_logits`) as `impl` picks."""
-  return _impl.dispatch(impl, lambda: slot_logits_xla(q, state, r), "quant_slot_logits", q,
-                        state.codes, state.step, r=r, bits=state.bits,
-                        capacity=state.cache.capacity)
+  return _impl.dispatch(impl, lambda: slot_logits_xla(q, state, r, group_dims),
+                        "quant_slot_logits", q, state.codes, state.step, r=r, bits=state.bits,
+                        capacity=state.cache.capacity, group_dims=group_dims)
 
 
 def select_quant(q: jax.Array, state: QuantState, plan: Plan, *,
@@ -308,7 +313,8 @@ def _select(q, state, plan, sliding_window, impl):
   c = cache.capacity
   k = min(plan.top_k, c)
   valid = valid_slots(cache, sliding_window)  # [B, Hkv, C]
-  p = masked_softmax(slot_logits(q, state, plan.r, impl=impl), valid[:, :, None, :])
+  logits = slot_logits(q, state, plan.r, group_dims=plan.group_dims, impl=impl)
+  p = masked_softmax(logits, valid[:, :, None, :])
   return top_scored_slots(group_sum(p), valid, k, c), p
 
 

@@ -46,7 +46,7 @@ class Rerank(Stage2):
     require(isinstance(state, KVCache),
             f"a stage2={self.name!r} plan needs a KVCache, got a {type(state).__name__}")
     check_chunks(state, plan.chunk_size)
-    chunk = approx_scores(q, state, plan.r, impl=impl)
+    chunk = approx_scores(q, state, plan.r, group_dims=plan.group_dims, impl=impl)
     return select_rerank(q, state, plan, chunk, valid_slots(state, sliding_window),
                          sliding_window)
 
@@ -55,23 +55,24 @@ class Rerank(Stage2):
     return decode_attend(q, state, plan, sliding_window=sliding_window, impl=impl)
 
 
-def top_dims(q: jax.Array, hkv: int, r: int):
+def top_dims(q: jax.Array, hkv: int, r: int, group_dims: str = "sum"):
   """The r dims stage 2 scores on, and the scaled query on them.
 
   Args:
     q: [B, Hq, D] decode query.
     hkv: KV heads.
     r: dims kept.
+    group_dims: how the group's heads weigh in the choice (`ops.GROUP_DIMS`).
   Returns:
-    (ridx [B, Hkv, r] int32 dims with the largest |q| summed over the group,
+    (ridx [B, Hkv, r] int32 dims of `ops.top_r_dims`,
      q_r [B, Hkv, G, r] float32 q on those dims times 1 / sqrt(D * sum|q_r| / sum|q|)).
   """
   qg = group_queries(q, hkv).astype(jnp.float32)
-  ridx, _, q_r = bound_rows_and_query(qg, r)
+  ridx, _, q_r = bound_rows_and_query(qg, r, group_dims=group_dims)
   return ridx, q_r
 
 
-def _logits_of_rows(q: jax.Array, rows: jax.Array, r: int):
+def _logits_of_rows(q: jax.Array, rows: jax.Array, r: int, group_dims: str = "sum"):
   """q [B, Hq, D], rows [B, Hkv, M, D] float32 -> (approximate logits q_r . k_r, SparQ-scaled,
   and exact logits q . k / sqrt(D)), each [B, Hkv, G, M] float32, from one product.
 
@@ -80,7 +81,7 @@ def _logits_of_rows(q: jax.Array, rows: jax.Array, r: int):
   r scattered dims, and the exact logits for the attention come from the same rows)."""
   b, hkv, _, d = rows.shape
   g = q.shape[1] // hkv
-  ridx, q_r = top_dims(q, hkv, r)
+  ridx, q_r = top_dims(q, hkv, r, group_dims)
   # q_r scattered back to [B, Hkv, G, D]: one-hot [r, D] masks summed (r distinct dims).
   onehot = (ridx[..., None] == jnp.arange(d)).astype(jnp.float32)  # [B, Hkv, r, D]
   q_masked = jnp.einsum("bhgr,bhrd->bhgd", q_r, onehot)
@@ -89,7 +90,8 @@ def _logits_of_rows(q: jax.Array, rows: jax.Array, r: int):
   return logits[:, :, :g], logits[:, :, g:]
 
 
-def scores_of_rows(q: jax.Array, rows: jax.Array, ok: jax.Array, r: int) -> jax.Array:
+def scores_of_rows(q: jax.Array, rows: jax.Array, ok: jax.Array, r: int,
+                   group_dims: str = "sum") -> jax.Array:
   """Per-token approximate scores of gathered key rows.
 
   Args:
@@ -97,19 +99,20 @@ def scores_of_rows(q: jax.Array, rows: jax.Array, ok: jax.Array, r: int) -> jax.
     rows: [B, Hkv, M, D] float32 candidate keys.
     ok: [B, Hkv, M] bool, candidate is a valid slot.
     r: head dims kept (as for the chunk score).
+    group_dims: as for the chunk score (`ops.GROUP_DIMS`).
   Returns:
     [B, Hkv, M] float32: softmax over the valid candidates of q_r . k_r (SparQ-scaled) per query
     head, summed over the group; 0 where not `ok`.
   """
-  return group_softmax_sum(_logits_of_rows(q, rows, r)[0], ok)
+  return group_softmax_sum(_logits_of_rows(q, rows, r, group_dims)[0], ok)
 
 
 def candidate_scores_xla(q: jax.Array, k: jax.Array, cand: jax.Array, cand_ok: jax.Array,
-                         r: int) -> jax.Array:
+                         r: int, group_dims: str = "sum") -> jax.Array:
   """`scores_of_rows` of the candidate slots `cand [B, Hkv, M]` (in [0, C)) of `k [B, Hkv, C,
   D]`; `cand_ok [B, Hkv, M]` marks the valid ones. Returns [B, Hkv, M] float32."""
   rows = jnp.take_along_axis(k, cand[..., None], axis=2).astype(jnp.float32)
-  return scores_of_rows(q, rows, cand_ok, r)
+  return scores_of_rows(q, rows, cand_ok, r, group_dims)
 
 
 def _rerank(q, cache, plan, chunk_scores, valid, sliding_window):
@@ -123,7 +126,7 @@ def _rerank(q, cache, plan, chunk_scores, valid, sliding_window):
   safe = jnp.minimum(cand, c - 1)
   ok = jnp.take_along_axis(valid, safe, axis=-1) & (cand < c)
   rows = jnp.take_along_axis(cache.k, safe[..., None], axis=2).astype(jnp.float32)
-  approx, exact = _logits_of_rows(q, rows, plan.r)
+  approx, exact = _logits_of_rows(q, rows, plan.r, plan.group_dims)
   scores = group_softmax_sum(approx, ok)
   _, best = lax.top_k(jnp.where(ok, scores, -jnp.inf), k)  # ties: the lower (better) candidate
   return cand, ok, best, exact
@@ -156,8 +159,8 @@ def decode_attend(q: jax.Array, cache: KVCache, plan: Plan, *,
   XLA path (the Pallas kernels score the chunks). Returns [B, Hq, D] in q's dtype."""
   check_chunks(cache, plan.chunk_size)
   valid = valid_slots(cache, sliding_window)
-  cand, ok, best, exact = _rerank(q, cache, plan, approx_scores(q, cache, plan.r, impl=impl),
-                                  valid, sliding_window)
+  chunk = approx_scores(q, cache, plan.r, group_dims=plan.group_dims, impl=impl)
+  cand, ok, best, exact = _rerank(q, cache, plan, chunk, valid, sliding_window)
   c = cache.capacity
   slots = jnp.minimum(jnp.take_along_axis(cand, best, axis=-1), c - 1)
   sel_ok = jnp.take_along_axis(ok, best, axis=-1)  # [B, Hkv, k]
