@@ -9,7 +9,8 @@ are exact and left out) and every method spec, whether stage 1 kept all of them 
 after `rocketkv.prefill`) and whether stage 2 selects all of them for the last prompt query
 (`rocketkv.select`; a method without a stage 2 reads what it kept). Beside them, the exact
 attention of that query on the needle (max over query heads), which names the layers that
-retrieve it. Prints a table per method (share of samples, per layer) and writes a JSON with
+retrieve it, and how far apart its query heads are in norm (the largest ratio of two |q|_1 in
+one KV head's group: what `group_dims="normalized"` evens out). Prints a table per method (share of samples, per layer) and writes a JSON with
 every sample's rows (--out).
 """
 
@@ -39,7 +40,7 @@ def needle_positions(ids: list[int], value_ids: list[int]) -> list[int]:
 
 
 def survival(runner, ids, value_ids, specs, budget, max_new):
-  """Rows {layer, method, kept, read, attention} for one prompt."""
+  """Rows {layer, method, kept, read, attention, norm_ratio} for one prompt."""
   length = len(ids)
   pp = runner.prompt_pass(np.asarray([ids], np.int32), np.asarray([length], np.int32))
   needle = needle_positions(ids, value_ids)
@@ -56,6 +57,8 @@ def survival(runner, ids, value_ids, specs, budget, max_new):
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     attention = float(p[:, :, needle].sum(-1).max())
+    l1 = np.abs(qq).sum(-1)  # [Hkv, G]
+    norm_ratio = float((l1.max(-1) / np.maximum(l1.min(-1), 1e-30)).max())
     for spec in specs:
       plan = runner.plan(spec, budget, length, max_new)
       state = rocketkv.prefill(k, v, qw, plan, lengths=pp.lengths, layer=layer)
@@ -70,7 +73,8 @@ def survival(runner, ids, value_ids, specs, budget, max_new):
         read = all(set(needle) <= rs for rs in read_sets)
       else:
         read = kept
-      rows.append(dict(layer=layer, method=spec, kept=kept, read=read, attention=attention))
+      rows.append(dict(layer=layer, method=spec, kept=kept, read=read, attention=attention,
+                       norm_ratio=norm_ratio))
   return rows
 
 
@@ -79,7 +83,8 @@ def summary(rows: list[dict], specs: list[str]) -> str:
   n = len({r["sample"] for r in rows})
   out = [f"Share of {n} samples whose needle tokens are all kept by stage 1 / all read by stage "
          "2 for the last prompt query, per compressed layer; 'attention': mean over samples of "
-         "that query's exact attention on the needle (max over query heads).", "",
+         "that query's exact attention on the needle (max over query heads); 'query heads' norm "
+         "ratio': mean of the largest |q|_1 ratio of two query heads sharing a KV head.", "",
          "| method | " + " | ".join(f"layer {i} kept / read" for i in layers) +
          " | any layer reads it |", "|---|" + "---|" * (len(layers) + 1)]
   for spec in specs:
@@ -91,9 +96,11 @@ def summary(rows: list[dict], specs: list[str]) -> str:
     anyr = np.mean([any(r["read"] for r in mine if r["sample"] == s)
                     for s in sorted({r["sample"] for r in mine})])
     out.append(f"| {spec} | " + " | ".join(cells) + f" | {anyr:.2f} |")
-  att = [np.mean([r["attention"] for r in rows if r["layer"] == i and r["method"] == specs[0]])
-         for i in layers]
-  out.append("| attention | " + " | ".join(f"{a:.3f}" for a in att) + " | |")
+  for key, label, fmt in (("attention", "attention", ".3f"),
+                          ("norm_ratio", "query heads' norm ratio", ".2f")):
+    val = [np.mean([r[key] for r in rows if r["layer"] == i and r["method"] == specs[0]])
+           for i in layers]
+    out.append(f"| {label} | " + " | ".join(f"{a:{fmt}}" for a in val) + " | |")
   return "\n".join(out)
 
 

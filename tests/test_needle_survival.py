@@ -38,5 +38,13 @@ def test_survival_reads_the_caches():
     assert 0.0 <= r["attention"] <= 1.0
   tight = ns.survival(runner, ids, value, ["streamingllm"], 16, 4)  # 4 sinks + last 12
   assert not any(r["kept"] or r["read"] for r in tight)
+  # the query heads' norm ratio, from the prompt pass's last query in float64
+  pp = runner.prompt_pass(np.asarray([ids], np.int32), np.asarray([len(ids)], np.int32))
+  for layer in range(model.config.num_layers):
+    q = np.asarray(pp.q_window[layer][0, :, -1], np.float64)
+    l1 = np.abs(q.reshape(pp.k[layer].shape[1], -1, q.shape[-1])).sum(-1)
+    for r in rows:
+      if r["layer"] == layer:
+        np.testing.assert_allclose(r["norm_ratio"], (l1.max(-1) / l1.min(-1)).max(), rtol=1e-5)
   table = ns.summary([dict(r, sample=0) for r in rows], ["snapkv", "exact_topk", "streamingllm"])
-  assert "| snapkv | 1.00 / 1.00" in table
+  assert "| snapkv | 1.00 / 1.00" in table and "| query heads' norm ratio |" in table
