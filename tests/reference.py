@@ -104,7 +104,8 @@ def approx_slot_scores(q, k, length, chunk, r, group_dims="sum"):
     bound = np.where(pos[None, :], kmax[h], kmin[h])[:, dims]  # [NC, r]
     total = np.zeros(nc)
     for i in range(g):
-      scale = math.sqrt(d * np.abs(qg[i, dims]).sum() / np.abs(qg[i]).sum())
+      frac = np.abs(qg[i, dims]).sum() / np.abs(qg[i]).sum()
+      scale = math.sqrt(d * (frac if frac > 0 else 1.0))  # a head zero on the dims: logits 0
       logits = bound @ qg[i, dims] / scale
       logits[nvalid:] = -np.inf
       total += softmax(logits)
