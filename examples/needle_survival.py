@@ -10,8 +10,8 @@ after `rocketkv.prefill`) and whether stage 2 selects all of them for the last p
 (`rocketkv.select`; a method without a stage 2 reads what it kept). Beside them, the exact
 attention of that query on the needle (max over query heads), which names the layers that
 retrieve it, and how far apart its query heads are in norm (the largest ratio of two |q|_1 in
-one KV head's group: what `group_dims="normalized"` evens out). Prints a table per method (share of samples, per layer) and writes a JSON with
-every sample's rows (--out).
+one KV head's group: what `group_dims="normalized"` evens out). Prints a table per method
+(share of samples, per layer) and writes a JSON with every sample's rows (--out).
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"G{c[1] // c[2]}-D{c[3]}-"
-                         f"{c[7].__name__}{'-ties' if c[9] else ''}{''.join('-' + k for k in c[8])}")
+                         f"{c[7].__name__}{'-ties' if c[9] else ''}"
+                         f"{''.join('-' + k for k in c[8])}")
 def test_fused_equals_xla(case):
   b, hq, hkv, d, prompt, budget, lengths, dtype, overrides, zero = case
   q, cache, plan = _cache(0, b, hq, hkv, d, prompt, budget, lengths, dtype, **overrides)

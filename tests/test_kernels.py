@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import rocketkv_jax as rocketkv
+import reference
 from rocketkv_jax import kernels
 from rocketkv_jax.attend import sparse_attention_xla as _sparse_xla
 from rocketkv_jax.cache import chunk_summaries
@@ -203,8 +204,7 @@ def test_quant_slot_logits_interpret(case):
   for i in range(b):
     for h in range(hkv):
       absq = np.abs(qg[i, h])  # [G, D]
-      w = absq / absq.sum(1, keepdims=True) if gd == "normalized" else absq  # ops.GROUP_DIMS
-      dims = np.argsort(-w.sum(0), kind="stable")[:r]  # largest group-summed weights
+      dims = np.argsort(-reference.dim_weights(absq, gd), kind="stable")[:r]  # ops.GROUP_DIMS
       scale = 1 / np.sqrt(d * absq[:, dims].sum(1) / absq.sum(1))  # per query head (SparQ)
       step = np.asarray(state.step[i, h], np.float64)[dims]
       want = (qg[i, h][:, dims] * scale[:, None] * step) @ code[i, h, dims]  # [G, C]
