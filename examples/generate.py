@@ -127,7 +127,8 @@ def recommended_note(config: "rocketkv.RocketConfig", model_config) -> str | Non
     return None
   where = f"{head_dim}-dim heads" if head_dim < 128 else "Gemma 3"
   return (f"note: on {where} the paper's stage 2 can rank a needle's chunk below filler at "
-          f"small budgets; on prompts many times the budget, --method {RECOMMENDED_SPEC} kept "
+          f"small budgets; on prompts many times the budget, --method {RECOMMENDED_SPEC} "
+          "(rocketkv.RocketConfig.recommended in Python) kept "
           "more answers at the same bytes read per step in our held-out runs "
           "(docs/stage2_variants.md)")
 

@@ -17,8 +17,8 @@ _xla_flags.set_cpu_flags()  # before anything below imports JAX
 from rocketkv_jax.attend import attend  # noqa: E402
 from rocketkv_jax.cache import (KVCache, append, cache_overflow, chunk_summaries,  # noqa: E402
                                 empty_cache, extend, full_cache)
-from rocketkv_jax.config import (GROUP_DIMS, METHODS, STAGE2, WINDOW_REDUCE, Plan,  # noqa: E402
-                                 RocketConfig, plan)
+from rocketkv_jax.config import (GROUP_DIMS, METHODS, RECOMMENDED, STAGE2,  # noqa: E402
+                                 WINDOW_REDUCE, Plan, RocketConfig, plan)
 from rocketkv_jax.decode import decode_step, last_valid_window, prefill, select  # noqa: E402
 from rocketkv_jax.evict import evict  # noqa: E402
 from rocketkv_jax.multiturn import MTState, begin_turn  # noqa: E402
@@ -30,7 +30,8 @@ from rocketkv_jax.teacher_forced import ContinuationScores, score_continuations 
 
 __all__ = [
     "ContinuationScores", "GROUP_DIMS", "GenerationResult", "KVCache", "LowRank", "LowRankState",
-    "METHODS", "MTState", "MinMax", "Plan", "Quant", "QuantState", "Rerank", "RocketConfig",
+    "METHODS", "MTState", "MinMax", "Plan", "Quant", "QuantState", "RECOMMENDED", "Rerank",
+    "RocketConfig",
     "STAGE2", "Stage2", "WINDOW_REDUCE", "append", "attend",
     "begin_turn", "cache_overflow", "chunk_summaries",
     "decode_step", "empty_cache", "evict", "extend", "full_cache", "generate", "last_valid_window",

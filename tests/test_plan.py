@@ -62,6 +62,27 @@ def test_config_hashable_and_static():
   assert hash(rocketkv.plan(a, 1000, 10, 64)) == hash(rocketkv.plan(b, 1000, 10, 64))
 
 
+def test_recommended_config():
+  """`RocketConfig.recommended` is the README's configuration; fields override it, and an
+  override that no longer fits raises the config's own error."""
+  rec = rocketkv.RocketConfig.recommended(256)
+  assert rec == rocketkv.RocketConfig(
+      token_budget=256, method="rocketkv", stage2=rocketkv.Quant(capacity="equal_read"),
+      window_reduce="max", group_dims="normalized")
+  assert rec != rocketkv.RocketConfig(token_budget=256) and hash(rec) == hash(
+      rocketkv.RocketConfig.recommended(256))
+  p = rocketkv.plan(rec, 32668, 100, 128)
+  assert (p.method, p.stage2.name, p.stage2.capacity, p.window_reduce, p.group_dims) == (
+      "rocketkv", "quant", "equal_read", "max", "normalized")
+  mt = rocketkv.RocketConfig.recommended(512, method="rocketkv_mt", window_size=16)
+  assert (mt.method, mt.token_budget, mt.window_size, mt.group_dims) == (
+      "rocketkv_mt", 512, 16, "normalized")
+  with pytest.raises(ValueError, match=r"^stage2='quant' needs method in"):
+    rocketkv.RocketConfig.recommended(256, method="snapkv")
+  with pytest.raises(TypeError):
+    rocketkv.RECOMMENDED["group_dims"] = "sum"  # read-only: a user cannot change it for all
+
+
 @given(prompt=st.integers(64, 200_000), new=st.integers(0, 2000),
        budget=st.integers(32, 8192), d=st.sampled_from([64, 80, 128]))
 @settings(max_examples=200, deadline=None)
