@@ -14,7 +14,8 @@ model without a template: completion-form, `tasks.CompletionFormat`) `niah_singl
 without a tokenizer (tests' tiny checkpoints) gets seeded random ids of the same lengths. The
 parent builds them once (`prompts.json` in --out) and every row reads the same ids.
 
-Rows: for each length, dtype and batch: `full`, `snapkv` and `rocketkv` at each budget through
+Rows: for each length, dtype and batch: `full`, `snapkv` and `rocketkv` at each budget (and
+`recommended`, `RocketConfig.recommended(B)`, when --methods names it) through
 `rocketkv.generate`, and `transformers` (full KV, the same ids left-padded with an attention
 mask, greedy, its own `generate`). Both sides decode exactly `--new-tokens` tokens (ours:
 `eos_token_ids=()`; transformers: `min_new_tokens`). Each row runs in a fresh subprocess (this
@@ -87,8 +88,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 _ROOT = os.path.dirname(_HERE)
 RUNS_DIR = os.path.join(_ROOT, "runs")
-METHODS = ("full", "snapkv", "rocketkv", "transformers")
-BUDGETED = ("snapkv", "rocketkv")
+METHODS = ("full", "snapkv", "rocketkv", "recommended", "transformers")
+DEFAULT_METHODS = ("full", "snapkv", "rocketkv", "transformers")
+BUDGETED = ("snapkv", "rocketkv", "recommended")  # recommended: RocketConfig.recommended(B)
 RAGGED = 0.1  # sequence i of B is L - floor(RAGGED * L * i / B) tokens long
 
 
@@ -204,7 +206,10 @@ def _ours_row(spec: dict, ids: list[list[int]]) -> dict:
       ph.mark(f"{name}_compile")
       return out
 
-  res = rocketkv.generate(model, ids, method=spec["method"], token_budget=spec["budget"] or 256,
+  budget = spec["budget"] or 256
+  rc = rocketkv.RocketConfig.recommended(budget) if spec["method"] == "recommended" else None
+  res = rocketkv.generate(model, ids, method=spec["method"] if rc is None else "rocketkv",
+                          token_budget=budget, rocket_config=rc,
                           max_new_tokens=spec["new_tokens"], eos_token_ids=(),
                           programs=Tracked())
   ph.mark("decode")
@@ -218,7 +223,7 @@ def _ours_row(spec: dict, ids: list[list[int]]) -> dict:
       kv_tokens_read=s["kv_tokens_read"], xla_peak_bytes=s["peak_bytes"],
       new_tokens=s["new_tokens"], phases=ph.out, peak_reset=ph.resettable,
       peak_prefill_mb=ph.out["prefill"]["peak_mb"], peak_decode_mb=ph.out["decode"]["peak_mb"],
-      peak_process_mb=ph.process_peak_mb())
+      peak_process_mb=ph.process_peak_mb(), rocket_config=None if rc is None else repr(rc))
 
 
 def _hf_row(spec: dict, ids: list[list[int]]) -> dict:
@@ -603,8 +608,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="longest prompt per batch, comma-separated (8000 + 64 new fit in 8192)")
   p.add_argument("--batches", default="1,4,8",
                  help="batch sizes (16 at 8000 tokens: ~15 GB for our full-KV prompt pass)")
-  p.add_argument("--methods", default=",".join(METHODS), help=f"any of {','.join(METHODS)}")
-  p.add_argument("--budgets", default="256,512", help="B for snapkv and rocketkv")
+  p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                 help=f"any of {','.join(METHODS)} (recommended: RocketConfig.recommended(B); "
+                      f"default {','.join(DEFAULT_METHODS)})")
+  p.add_argument("--budgets", default="256,512", help="B for snapkv, rocketkv and recommended")
   p.add_argument("--dtypes", default="float32", help="float32 and/or bfloat16")
   p.add_argument("--new-tokens", type=int, default=64)
   p.add_argument("--seed", type=int, default=0, help="prompt sample seed")

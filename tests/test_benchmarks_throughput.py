@@ -53,6 +53,23 @@ def test_grid_on_a_tiny_checkpoint(tmp_path):
   assert "our full-KV decode tok/s / transformers'" in table
 
 
+def test_recommended_rows_run_the_recommended_config(tmp_path):
+  """`--methods recommended` runs `RocketConfig.recommended(B)` beside the paper's rocketkv."""
+  path, _ = hf_checkpoint("llama31")
+  out = tmp_path / "out"
+  rc = _module().main(["--model", path, "--lengths", "64", "--batches", "1", "--budgets", "32",
+                       "--methods", "rocketkv,recommended", "--new-tokens", "3",
+                       "--out", str(out)])
+  assert rc == 0
+  rows = json.loads((out / "throughput.json").read_text())["rows"]
+  assert [(r["method"], r["budget"]) for r in rows] == [("rocketkv", 32), ("recommended", 32)]
+  assert all("error" not in r and r["decode_steps"] == 2 for r in rows), rows
+  assert rows[0]["rocket_config"] is None
+  import rocketkv_jax as rocketkv
+  assert rows[1]["rocket_config"] == repr(rocketkv.RocketConfig.recommended(32))
+  assert "| 64 / 64 | 1 | float32 | recommended@32 |" in (out / "throughput.md").read_text()
+
+
 def _row(method, budget, tps, peak, prefill, cpu_tps=None):
   return dict(length=8000, dtype="float32", batch=8, method=method, budget=budget,
               decode_tokens_per_s=tps, decode_steps=63,
