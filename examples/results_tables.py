@@ -8,6 +8,7 @@
         --methods rocketkv snapkv
     python examples/results_tables.py A.json --targets METHOD --budget 256 --with B.json ... \\
         --baselines-from SWEEP.json ...
+    python examples/results_tables.py A.json --task-means full --budget 256 --with B.json ...
 
 `claims`: per (task, length), full KV vs RocketKV at B=256, and whether RocketKV is at or above
 every other compressed method (SnapKV, Quest, SparQ, StreamingLLM; the exact_topk oracle is
@@ -17,6 +18,10 @@ not counted) at B = 128 / 256 / 512 / 1024.
 REF, for the score and, where the records have it, the teacher-forced gold log-prob per token,
 with 95% paired-bootstrap intervals over the shared samples (`report.compare_markdown`), then a
 count per method of the cells whose interval lies below / above 0.
+
+`--task-means REF --budget B`: per length, every other method's (or `--methods`') mean over
+tasks of its paired difference to REF, each task weighing the same, with a stratified
+bootstrap interval (`report.task_means`); a length's tasks are those every method has.
 
 `--targets METHOD --budget B`: issue #13's accuracy targets for one method, per (task, length)
 cell where full KV scores at least 20: the score within 2 points of full KV at 4K and longer
@@ -218,14 +223,18 @@ def main(argv=None):
                  help="the table to print (or --compare)")
   p.add_argument("--compare", metavar="METHOD", default=None,
                  help="reference method (e.g. full): paired differences of the others to it")
+  p.add_argument("--task-means", dest="task_means", metavar="METHOD", default=None,
+                 help="reference method: per length, the mean over tasks of the paired "
+                      "differences of the others to it")
   p.add_argument("--targets", metavar="METHOD", default=None,
                  help="issue #13's targets for METHOD against full KV (needs --budget)")
   p.add_argument("--budget", type=int, default=None,
-                 help="with --compare / --targets: the token budget")
+                 help="with --compare / --task-means / --targets: the token budget")
   p.add_argument("--methods", nargs="+", default=None,
-                 help="with --compare: the methods to compare (default: every other one)")
+                 help="with --compare / --task-means: the methods to compare (default: every "
+                      "other one)")
   p.add_argument("--with", dest="others", nargs="+", default=[], metavar="JSON",
-                 help="with --compare / --targets: later runs of the same cells (same seed and "
+                 help="with --compare / --task-means / --targets: later runs of the same cells (same seed and "
                       "samples) whose other methods join the comparison; records both runs hold "
                       "must agree on every field both have (gold scores only one has are joined)")
   p.add_argument("--baselines-from", dest="baselines", nargs="+", default=[], metavar="JSON",
@@ -234,11 +243,13 @@ def main(argv=None):
                       "whose own RocketKV records are from older code can still be paired")
   a = p.parse_args(argv)
   try:
-    if (a.table is not None) + (a.compare is not None) + (a.targets is not None) != 1:
-      raise ValueError(f"give one of a table ({', '.join(TABLES)}), --compare METHOD or "
-                       "--targets METHOD")
+    if (a.table is not None) + (a.compare is not None) + (a.targets is not None) + (
+        a.task_means is not None) != 1:
+      raise ValueError(f"give one of a table ({', '.join(TABLES)}), --compare METHOD, "
+                       "--task-means METHOD or --targets METHOD")
     if a.table is not None and (a.budget is not None or a.methods is not None or a.others):
-      raise ValueError("--budget, --methods and --with go with --compare or --targets")
+      raise ValueError("--budget, --methods and --with go with --compare, --task-means or "
+                       "--targets")
     if a.targets is not None and (a.budget is None or a.methods is not None):
       raise ValueError("--targets needs --budget and takes no --methods")
     if a.baselines and a.targets is None:
@@ -252,6 +263,8 @@ def main(argv=None):
       res = report.pool(res, others)
     if a.compare is not None:
       out = report.compare_markdown(res, a.compare, a.methods, a.budget)
+    elif a.task_means is not None:
+      out = report.task_means_markdown(res, a.task_means, a.methods, a.budget)
     elif a.targets is not None:
       out = targets(res, a.targets, a.budget)
     else:

@@ -406,3 +406,68 @@ def test_compare_markdown_shows_rows_read_where_records_count_them():
   assert rk.endswith(f" {rows['rocketkv']['rows_read']:.1f} |")
   assert next(l for l in lines if l.startswith("| passkey | 2K | snapkv |")).endswith("|  |")
   assert "rows read" not in report.compare_markdown(res, "full", ["snapkv"], 256)
+
+
+def _task_means_run():
+  """Two tasks at 2K with 4 and 10 samples, one at 4K; rocketkv misses one task at 4K's
+  neighbour so only the tasks every method has count."""
+  recs = []
+
+  def add(task, length, method, budget, scores, gold=None):
+    for i, x in enumerate(scores):
+      r = dict(task=task, context_len=length, index=i, method=method, budget=budget, score=x,
+               prediction="", answers=[])
+      if gold is not None:
+        r.update(gold_logprob=gold[i], gold_argmax=1.0, gold_tokens=3)
+      recs.append(r)
+
+  add("passkey", 2048, "full", None, [1, 1, 1, 1], gold=[-0.1] * 4)
+  add("passkey", 2048, "rocketkv", 256, [0, 1, 1, 1], gold=[-0.5, -0.1, -0.1, -0.1])
+  add("passkey", 2048, "snapkv", 256, [0, 0, 0, 0], gold=[-1.0] * 4)
+  add("vt", 2048, "full", None, [1] * 5 + [0] * 5, gold=[-0.2] * 10)
+  add("vt", 2048, "rocketkv", 256, [1] * 10, gold=[-0.2] * 10)
+  add("vt", 2048, "snapkv", 256, [1] * 5 + [0] * 5, gold=[-0.2] * 10)
+  add("cwe", 4096, "full", None, [1, 0])
+  add("cwe", 4096, "rocketkv", 256, [1, 1])
+  add("cwe", 4096, "snapkv", 256, [0, 0])
+  add("vt", 4096, "full", None, [1, 1])
+  add("vt", 4096, "snapkv", 256, [1, 1])  # no rocketkv at vt 4K: 4K averages cwe only
+  return dict(config=dict(tasks=["passkey", "vt", "cwe"], model=dict(source="m.gguf"), seed=0,
+                          samples=10), records=recs)
+
+
+def test_task_means_weighs_tasks_equally_with_stratified_intervals(tmp_path, capsys):
+  res = _task_means_run()
+  rows = {(r["context_len"], r["method"]): r
+          for r in report.task_means(res, "full", ["rocketkv", "snapkv"], 256)}
+  r = rows[(2048, "rocketkv")]
+  # passkey: -1/4 per sample; vt: +5/10. Task means: (-0.25 + 0.5) / 2 = +0.125 (a mean over
+  # the 14 pairs would give (-1 + 5) / 14 = +0.286).
+  assert r["tasks"] == ["passkey", "vt"] and r["n"] == 14
+  assert r["diff"][0] == pytest.approx(12.5) and r["ref"] == pytest.approx(75.0)
+  assert r["score"] == pytest.approx(87.5)
+  # the interval resamples each task's pairs on their own: against a Monte Carlo of that
+  rng = np.random.default_rng(1)
+  pk = rng.choice([-1.0, 0, 0, 0], (200_000, 4)).mean(1)
+  vt = rng.choice([1.0] * 5 + [0.0] * 5, (200_000, 10)).mean(1)
+  lo, hi = np.percentile(100 * (pk + vt) / 2, [2.5, 97.5])
+  assert r["diff"][1] == pytest.approx(lo, abs=2.5) and r["diff"][2] == pytest.approx(hi, abs=2.5)
+  gold = r["logprob_diff"]
+  assert gold[0] == pytest.approx((-0.4 / 4 + 0.0) / 2) and gold[3] == 2
+  s = rows[(2048, "snapkv")]
+  assert s["diff"][0] == pytest.approx(-50.0)  # passkey -100, vt 0
+  assert s["diff"][1] == pytest.approx(-50.0) and s["diff"][2] == pytest.approx(-50.0)
+  assert s["logprob_diff"][:3] == pytest.approx(((-0.9 + 0.0) / 2,) * 3)
+  four = rows[(4096, "rocketkv")]
+  assert four["tasks"] == ["cwe"] and four["diff"][0] == pytest.approx(50.0)
+  assert four["logprob_diff"] is None and rows[(4096, "snapkv")]["tasks"] == ["cwe"]
+  path = tmp_path / "r.json"
+  path.write_text(json.dumps(res))
+  TABLES["main"]([str(path), "--task-means", "full", "--budget", "256"])
+  out = capsys.readouterr().out
+  assert "| 2K | 2 | rocketkv | 14 | 75.0 | 87.5 | +12.5 [" in out
+  assert "| 2K | 2 | snapkv | 14 | 75.0 | 25.0 | -50.0 [-50.0, -50.0] | -0.450 [-0.450, " in out
+  assert "2K tasks: passkey, vt." in out and "4K tasks: cwe." in out
+  with pytest.raises(SystemExit) as e:
+    TABLES["main"]([str(path), "--task-means", "full"])
+  assert e.value.code == 2 and "budget is required for" in capsys.readouterr().err

@@ -404,6 +404,81 @@ def compare(results: dict, reference: str = "full", methods=None, budget: int | 
   return rows
 
 
+def task_means(results: dict, reference: str = "full", methods=None, budget: int | None = None,
+               *, level: float = LEVEL, n_boot: int = N_BOOT, seed: int = SEED) -> list[dict]:
+  """Per length, the mean over tasks of each method's paired difference to `reference`.
+
+  A length's tasks are those where the reference and every method in `methods` have paired
+  samples (so all rows of a length average the same tasks); each task weighs the same,
+  whatever its sample count. Intervals: `stats.stratified_bootstrap_ci`, each task's paired
+  differences resampled on their own. Each row: context_len, tasks, method, budget, n (pairs,
+  all tasks), ref / score (task means x 100), diff (mean, lo, hi; x 100), and logprob_diff
+  (mean, lo, hi; nats per gold token, tasks whose pairs all have gold fields) or None. Argument
+  errors as `compare`'s."""
+  rows = compare(results, reference, methods, budget, level=level, n_boot=1, seed=seed)
+  methods = order_methods({r["method"] for r in rows}) if methods is None else list(methods)
+  by_cell = _by_cell(results["records"])
+  out = []
+  for length in sorted({r["context_len"] for r in rows}):
+    cells = {(r["task"], r["method"]) for r in rows if r["context_len"] == length}
+    tasks = [t for t in dict.fromkeys(r["task"] for r in rows if r["context_len"] == length)
+             if all((t, m) in cells for m in methods)]
+    if not tasks:
+      continue
+    for m in methods:
+      diffs, golds, refs, scores, n = [], [], [], [], 0
+      for t in tasks:
+        ref = {_sample_key(r): r for r in by_cell[_key(t, length, reference, budget)]}
+        got = {_sample_key(r): r for r in by_cell[_key(t, length, m, budget)]}
+        pairs = [(got[i], ref[i]) for i in ref if i in got]
+        n += len(pairs)
+        a = np.array([x["score"] for x, _ in pairs], float)
+        b = np.array([y["score"] for _, y in pairs], float)
+        diffs.append(a - b)
+        refs.append(b.mean())
+        scores.append(a.mean())
+        g = [(gold_of(x), gold_of(y)) for x, y in pairs]
+        golds.append(None if any(gx is None or gy is None for gx, gy in g) else
+                     np.array([gx[0] - gy[0] for gx, gy in g]))
+      lo, hi = stats.stratified_bootstrap_ci(diffs, level=level, n_boot=n_boot, seed=seed)
+      gold = [g for g in golds if g is not None]
+      logprob_diff = None
+      if gold:
+        glo, ghi = stats.stratified_bootstrap_ci(gold, level=level, n_boot=n_boot, seed=seed)
+        logprob_diff = (float(np.mean([g.mean() for g in gold])), glo, ghi, len(gold))
+      out.append(dict(context_len=length, tasks=tasks, method=m,
+                      budget=None if _budgetless(m) else budget, n=n,
+                      ref=100.0 * float(np.mean(refs)), score=100.0 * float(np.mean(scores)),
+                      diff=(100.0 * float(np.mean([d.mean() for d in diffs])), 100.0 * lo,
+                            100.0 * hi), logprob_diff=logprob_diff))
+  return out
+
+
+def task_means_markdown(results: dict, reference: str = "full", methods=None,
+                        budget: int | None = None) -> str:
+  """`task_means` as a Markdown table, one line per length naming its tasks."""
+  rows = task_means(results, reference, methods, budget)
+  at = "" if budget is None else f" at B={budget}"
+  lines = [f"Mean over tasks of the paired difference to {reference}{at} (method - "
+           f"{reference}), each task weighing the same, with {100 * LEVEL:.0f}% stratified "
+           f"bootstrap intervals (each task's pairs resampled on their own; {N_BOOT} resamples, "
+           f"seed {SEED}). Score: exact match x 100. Gold: mean teacher-forced log-prob per "
+           "gold token (nats), over the tasks whose records all have it.", "",
+           f"| length | tasks | method | pairs | {reference} | method | diff [lo, hi] | "
+           "gold diff [lo, hi] (tasks) |", "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    g = ("" if r["logprob_diff"] is None else
+         "{:+.3f} [{:+.3f}, {:+.3f}] ({})".format(*r["logprob_diff"]))
+    lines.append(f"| {_length_label(r['context_len'])} | {len(r['tasks'])} | {r['method']} | "
+                 f"{r['n']} | {r['ref']:.1f} | {r['score']:.1f} | {r['diff'][0]:+.1f} "
+                 f"[{r['diff'][1]:+.1f}, {r['diff'][2]:+.1f}] | {g} |")
+  lines.append("")
+  for length in sorted({r["context_len"] for r in rows}):
+    tasks = next(r["tasks"] for r in rows if r["context_len"] == length)
+    lines.append(f"{_length_label(length)} tasks: {', '.join(tasks)}.")
+  return "\n".join(lines)
+
+
 def _mean_rows_read(records) -> float | None:
   """Mean rows read per KV head and decode step over records that count them (`rows_read`:
   the methods whose read follows the attention mass), else None."""
