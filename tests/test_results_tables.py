@@ -261,6 +261,13 @@ def test_pool_joins_gold_fields_that_only_one_run_has():
   with pytest.raises(ValueError, match="runs disagree"):
     report.pool(dict(res, records=no_gold),
                 [dict(res, records=[dict(full[0], tokens=[7])])])
+  # the same tokens scored in another batch: gold within GOLD_TOL pools (first value kept)
+  near = [dict(r, gold_logprob=r["gold_logprob"] + 3e-6) for r in full if "gold_logprob" in r]
+  assert near and report.pool(dict(res, records=full), [dict(res, records=near)])[
+      "records"] == full
+  far = [dict(near[0], gold_logprob=near[0]["gold_logprob"] + 2 * report.GOLD_TOL)]
+  with pytest.raises(ValueError, match="runs disagree"):
+    report.pool(dict(res, records=full), [dict(res, records=far)])
 
 
 def test_baselines_from_pools_only_the_other_compressed_methods(tmp_path, capsys):

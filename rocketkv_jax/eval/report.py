@@ -101,12 +101,23 @@ def merge(results: list[dict]) -> dict:
                     for r in results])
 
 
+GOLD_TOL = 1e-4  # nats per token: float rounding of one teacher-forced score across batch sizes
+
+
+def _same(field: str, a, b) -> bool:
+  if field == "gold_logprob" and a is not None and b is not None:
+    return abs(a - b) <= GOLD_TOL
+  return a == b
+
+
 def pool(result: dict, others: list[dict]) -> dict:
   """`result` with the records of `others` (later runs of the same cells, e.g. a new method run
   beside committed ones with the same seed and samples) that it lacks. A record both hold must
   agree on every field both have -- the check that the later run reproduces the committed one --
   else ValueError; fields only one of them has (the gold-answer scores, which sweeps from before
-  the teacher-forced score lack) are joined into one record."""
+  the teacher-forced score lack) are joined into one record. The gold log-prob may differ by
+  `GOLD_TOL` (the same tokens scored in another batch composition round differently); the
+  first run's value is kept."""
   key = lambda x: (x["task"], x["context_len"], x["index"], x["method"], x["budget"],
                    x.get("turn"))
   at = {key(x): i for i, x in enumerate(result["records"])}
@@ -119,7 +130,7 @@ def pool(result: dict, others: list[dict]) -> dict:
         records.append(x)
         continue
       mine = records[at[k]]
-      if any(mine[f] != x[f] for f in mine.keys() & x.keys()):
+      if any(not _same(f, mine[f], x[f]) for f in mine.keys() & x.keys()):
         raise ValueError(f"runs disagree on {k} (task, length, sample, method, budget, turn): "
                          "pool only runs of the same seed and code")
       records[at[k]] = {**x, **mine}
