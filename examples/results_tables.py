@@ -233,6 +233,8 @@ def main(argv=None):
   p.add_argument("--methods", nargs="+", default=None,
                  help="with --compare / --task-means: the methods to compare (default: every "
                       "other one)")
+  p.add_argument("--tasks", nargs="+", default=None,
+                 help="with --compare / --task-means: only these tasks (after pooling)")
   p.add_argument("--with", dest="others", nargs="+", default=[], metavar="JSON",
                  help="with --compare / --task-means / --targets: later runs of the same cells (same seed and "
                       "samples) whose other methods join the comparison; records both runs hold "
@@ -247,6 +249,8 @@ def main(argv=None):
         a.task_means is not None) != 1:
       raise ValueError(f"give one of a table ({', '.join(TABLES)}), --compare METHOD, "
                        "--task-means METHOD or --targets METHOD")
+    if a.tasks is not None and a.compare is None and a.task_means is None:
+      raise ValueError("--tasks goes with --compare or --task-means")
     if a.table is not None and (a.budget is not None or a.methods is not None or a.others):
       raise ValueError("--budget, --methods and --with go with --compare, --task-means or "
                        "--targets")
@@ -261,6 +265,8 @@ def main(argv=None):
       others.append(dict(run, records=[r for r in run["records"] if r["method"] in OTHERS]))
     if others:
       res = report.pool(res, others)
+    if a.tasks is not None:
+      res = report.only_tasks(res, a.tasks)
     if a.compare is not None:
       out = report.compare_markdown(res, a.compare, a.methods, a.budget)
     elif a.task_means is not None:

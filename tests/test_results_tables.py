@@ -475,6 +475,14 @@ def test_task_means_weighs_tasks_equally_with_stratified_intervals(tmp_path, cap
   assert "| 2K | 2 | rocketkv | 14 | 75.0 | 87.5 | +12.5 [" in out
   assert "| 2K | 2 | snapkv | 14 | 75.0 | 25.0 | -50.0 [-50.0, -50.0] | -0.450 [-0.450, " in out
   assert "2K tasks: passkey, vt." in out and "4K tasks: cwe." in out
-  with pytest.raises(SystemExit) as e:
-    TABLES["main"]([str(path), "--task-means", "full"])
-  assert e.value.code == 2 and "budget is required for" in capsys.readouterr().err
+  TABLES["main"]([str(path), "--task-means", "full", "--budget", "256", "--tasks", "vt", "cwe"])
+  out = capsys.readouterr().out
+  assert "| 2K | 1 | rocketkv | 10 | 50.0 | 100.0 | +50.0 [" in out and "2K tasks: vt." in out
+  for argv, msg in ((["--task-means", "full"], "budget is required for"),
+                    (["--task-means", "full", "--budget", "256", "--tasks", "qa"],
+                     "tasks ['qa'] have no records"),
+                    (["--targets", "rocketkv", "--budget", "256", "--tasks", "vt"],
+                     "--tasks goes with --compare or --task-means")):
+    with pytest.raises(SystemExit) as e:
+      TABLES["main"]([str(path)] + argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
