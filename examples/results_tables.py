@@ -236,8 +236,9 @@ def main(argv=None):
   p.add_argument("--tasks", nargs="+", default=None,
                  help="with --compare / --task-means: only these tasks (after pooling)")
   p.add_argument("--with", dest="others", nargs="+", default=[], metavar="JSON",
-                 help="with --compare / --task-means / --targets: later runs of the same cells (same seed and "
-                      "samples) whose other methods join the comparison; records both runs hold "
+                 help="with --compare / --task-means / --targets: later runs of the same cells "
+                      "(same seed and samples) whose other methods join the comparison; records "
+                      "both runs hold "
                       "must agree on every field both have (gold scores only one has are joined)")
   p.add_argument("--baselines-from", dest="baselines", nargs="+", default=[], metavar="JSON",
                  help="with --targets: runs (e.g. the committed sweeps) of which only the other "

@@ -350,20 +350,8 @@ def _length_label(length: int) -> str:
   return f"{length // 1024}K" if length % 1024 == 0 else str(length)
 
 
-def compare(results: dict, reference: str = "full", methods=None, budget: int | None = None, *,
-            level: float = LEVEL, n_boot: int = N_BOOT, seed: int = SEED) -> list[dict]:
-  """Paired differences `method - reference` per (task, length), at `budget`.
-
-  `methods` defaults to every other method of the run. Samples are paired by (index, turn);
-  a (task, length) where either side has no records is left out. Each row: task, context_len,
-  method, budget, n (paired samples), ref / score (mean x 100), diff (mean, lo, hi; x 100),
-  and, over the pairs where both records have gold fields, gold_n, ref_logprob, logprob and
-  logprob_diff (mean, lo, hi; nats per gold token), or None for those when there are none.
-  Intervals: `stats.paired_bootstrap_diff`.
-
-  Raises ValueError, before any work, for a reference, method or budget the run has no
-  records of, or a missing budget that a compared method needs.
-  """
+def _check_compare(results: dict, reference: str, methods, budget) -> list[str]:
+  """`compare`'s argument checks (ValueError before any work); the methods to compare."""
   recs = results["records"]
   present = order_methods(r["method"] for r in recs)
   budgets = sorted({r["budget"] for r in recs if r["budget"] is not None})
@@ -382,17 +370,39 @@ def compare(results: dict, reference: str = "full", methods=None, budget: int | 
     raise ValueError(f"budget is required for {budgeted}; budgets in this run: {budgets}")
   if budgeted and budget not in budgets:
     raise ValueError(f"budget {budget!r} has no records; budgets in this run: {budgets}")
+  return methods
+
+
+def _pairs(by_cell, task, length, reference, method, budget) -> list[tuple[dict, dict]]:
+  """(method record, reference record) per sample both have, in the reference's sample order."""
+  ref = {_sample_key(r): r for r in by_cell.get(_key(task, length, reference, budget), ())}
+  got = {_sample_key(r): r for r in by_cell.get(_key(task, length, method, budget), ())}
+  return [(got[i], ref[i]) for i in ref if i in got]
+
+
+def compare(results: dict, reference: str = "full", methods=None, budget: int | None = None, *,
+            level: float = LEVEL, n_boot: int = N_BOOT, seed: int = SEED) -> list[dict]:
+  """Paired differences `method - reference` per (task, length), at `budget`.
+
+  `methods` defaults to every other method of the run. Samples are paired by (index, turn);
+  a (task, length) where either side has no records is left out. Each row: task, context_len,
+  method, budget, n (paired samples), ref / score (mean x 100), diff (mean, lo, hi; x 100),
+  and, over the pairs where both records have gold fields, gold_n, ref_logprob, logprob and
+  logprob_diff (mean, lo, hi; nats per gold token), or None for those when there are none.
+  Intervals: `stats.paired_bootstrap_diff`.
+
+  Raises ValueError, before any work, for a reference, method or budget the run has no
+  records of, or a missing budget that a compared method needs.
+  """
+  methods = _check_compare(results, reference, methods, budget)
+  recs = results["records"]
   by_cell = _by_cell(recs)
   tasks, lengths, _, _ = _axes(recs)
   rows = []
   for task in tasks:
     for length in lengths:
-      ref = {_sample_key(r): r for r in by_cell.get(_key(task, length, reference, budget), ())}
-      if not ref:
-        continue
       for m in methods:
-        got = {_sample_key(r): r for r in by_cell.get(_key(task, length, m, budget), ())}
-        pairs = [(got[i], ref[i]) for i in ref if i in got]  # ref is in sample order
+        pairs = _pairs(by_cell, task, length, reference, m, budget)
         if not pairs:
           continue
         a = [x["score"] for x, _ in pairs]
@@ -426,22 +436,23 @@ def task_means(results: dict, reference: str = "full", methods=None, budget: int
   all tasks), ref / score (task means x 100), diff (mean, lo, hi; x 100), and logprob_diff
   (mean, lo, hi; nats per gold token, tasks whose pairs all have gold fields) or None. Argument
   errors as `compare`'s."""
-  rows = compare(results, reference, methods, budget, level=level, n_boot=1, seed=seed)
-  methods = order_methods({r["method"] for r in rows}) if methods is None else list(methods)
+  asked = methods
+  methods = _check_compare(results, reference, methods, budget)
   by_cell = _by_cell(results["records"])
+  all_tasks, lengths, _, _ = _axes(results["records"])
+  pairs_of = {(t, length, m): _pairs(by_cell, t, length, reference, m, budget)
+              for t in all_tasks for length in lengths for m in methods}
+  if asked is None:  # every other method that pairs with the reference somewhere
+    methods = [m for m in methods if any(v for k, v in pairs_of.items() if k[2] == m)]
   out = []
-  for length in sorted({r["context_len"] for r in rows}):
-    cells = {(r["task"], r["method"]) for r in rows if r["context_len"] == length}
-    tasks = [t for t in dict.fromkeys(r["task"] for r in rows if r["context_len"] == length)
-             if all((t, m) in cells for m in methods)]
+  for length in lengths:
+    tasks = [t for t in all_tasks if all(pairs_of[(t, length, m)] for m in methods)]
     if not tasks:
       continue
     for m in methods:
       diffs, golds, refs, scores, n = [], [], [], [], 0
       for t in tasks:
-        ref = {_sample_key(r): r for r in by_cell[_key(t, length, reference, budget)]}
-        got = {_sample_key(r): r for r in by_cell[_key(t, length, m, budget)]}
-        pairs = [(got[i], ref[i]) for i in ref if i in got]
+        pairs = pairs_of[(t, length, m)]
         n += len(pairs)
         a = np.array([x["score"] for x, _ in pairs], float)
         b = np.array([y["score"] for _, y in pairs], float)
