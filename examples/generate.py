@@ -110,11 +110,8 @@ def _document(paragraphs: int, needle: str) -> str:
   return "\n\n".join(parts)
 
 
-# docs/stage2_variants.md: what keeps a needle's answer on SmolLM2's 64-dim heads and on
-# Gemma 3, at the same bytes read per step as the paper's stage 2 (results/stage1_calibration,
-# results/group_dims).
-RECOMMENDED_SPEC = ("rocketkv:stage2=quant,quant_capacity=equal_read,window_reduce=max,"
-                    "group_dims=normalized")
+# `RocketConfig.recommended` as a --method spec (docs/stage2_variants.md).
+RECOMMENDED_SPEC = variants.RECOMMENDED_SPEC
 
 
 def recommended_note(config: "rocketkv.RocketConfig", model_config) -> str | None:

@@ -49,6 +49,10 @@ def test_deadline_skips_rows(tmp_path):
   assert all(r["skipped"] == "skipped: past --deadline-s" for r in rows)
 
 
+def test_small_heads_is_the_recommended_config():
+  assert _module().SMALL_HEADS == variants.RECOMMENDED_SPEC
+
+
 def test_memory_estimate_of_the_8b_rows():
   mod = _module()
   config = mod.model_config(tiny=False)

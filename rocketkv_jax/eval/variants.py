@@ -34,6 +34,7 @@ methods it is compared with. The sweep's defaults use no overrides: variants exi
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 
 import rocketkv_jax as rocketkv
@@ -123,6 +124,32 @@ def rocket_config(spec: str, token_budget: int, **defaults) -> "rocketkv.RocketC
   # One construction with every field: checks that depend on several fields (token_budget >=
   # window_size) see the values asked for, not the defaults.
   return rocketkv.RocketConfig(token_budget=int(token_budget), method=base, **fields)
+
+
+def spec(config: "rocketkv.RocketConfig") -> str:
+  """The method spec of a `RocketConfig`, the inverse of `rocket_config`: its method, then the
+  fields that differ from their defaults (stage 2 and its variant keys first, the others in
+  `OVERRIDABLE` order). `rocket_config(spec(c), c.token_budget) == c`."""
+  defaults = {f.name: f.default for f in dataclasses.fields(rocketkv.RocketConfig)}
+  items = []
+  stage2 = config.stage2
+  if stage2 != stage2_lib.get(defaults["stage2"]):
+    items.append(f"stage2={stage2.name}")
+    fresh = type(stage2)()
+    items += [f"{key}={_text(getattr(stage2, field))}"
+              for key, field in stage2.spec_keys().items()
+              if getattr(stage2, field) != getattr(fresh, field)]
+  items += [f"{key}={_text(getattr(config, key))}" for key in OVERRIDABLE
+            if key in defaults and key != "stage2" and getattr(config, key) != defaults[key]]
+  return config.method + (":" + ",".join(items) if items else "")
+
+
+def _text(val) -> str:
+  return str(int(val)) if isinstance(val, bool) else str(val)
+
+
+# `RocketConfig.recommended(B)` as a spec: the name its records carry in results/.
+RECOMMENDED_SPEC = spec(rocketkv.RocketConfig.recommended(256))
 
 
 def base_method(spec: str) -> str:
