@@ -61,6 +61,7 @@ import jax
 import jax.numpy as jnp
 
 import rocketkv_jax as rocketkv
+from rocketkv_jax import sampling
 from rocketkv_jax.eval import variants
 from rocketkv_jax.models import llama
 
@@ -160,6 +161,9 @@ def _parser() -> argparse.ArgumentParser:
                       "dot instructions (avx512_bf16 / amx_bf16 in /proc/cpuinfo), else float32")
   p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
   p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--top-k", type=int, default=None,
+                 help="sample from the K most likely tokens (needs --temperature > 0; not with "
+                      "--top-p)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no-compare", action="store_true", help="skip the full-KV comparison run")
   p.add_argument("--quick", action="store_true",
@@ -292,6 +296,9 @@ def prepare(args) -> _Job:
     raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
   if not 0.0 < args.top_p <= 1.0:
     raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+  if args.top_k is not None and (args.top_k < 1 or args.temperature == 0 or args.top_p != 1.0):
+    raise UsageError(f"--top-k must be >= 1, with --temperature > 0 and without --top-p, got "
+                     f"--top-k {args.top_k} --temperature {args.temperature} --top-p {args.top_p}")
   try:
     base = variants.base_method(args.method)
   except ValueError as e:  # e.g. "unknown method 'rocket' in 'rocket'; allowed: [...]"
@@ -437,6 +444,12 @@ def load(args, job: _Job, mesh=None):
   return model
 
 
+def _sampler(args):
+  if args.top_k is not None:
+    return sampling.TopK(temperature=args.temperature, k=args.top_k)
+  return sampling.sampler(args.temperature, args.top_p)
+
+
 def run(args, job: _Job, model):
   """Steps 2..: one generation per method, streamed, then the table."""
   n_steps = 1 + len(job.methods)
@@ -450,8 +463,8 @@ def run(args, job: _Job, model):
     if note:
       print(f"      {note}", flush=True)
     res = rocketkv.generate(model, [job.ids], rocket_config=cfg,
-                            max_new_tokens=job.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed,
+                            max_new_tokens=job.max_new_tokens, sampler=_sampler(args),
+                            seed=args.seed,
                             stream=_Streamer(model.tokenizer, eos), verbose=True)
     print("\n", flush=True)
     results.append((method, res))

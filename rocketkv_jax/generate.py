@@ -48,7 +48,7 @@ Decisions where the issue is silent:
     is dropped too (`decode_loop`'s EOS rule).
   * `temperature == 0` is greedy (argmax); otherwise softmax(logits / temperature) restricted to
     the smallest top-p nucleus, with `jax.random` keyed by `seed` and the step index
-    (`rocketkv_jax.sampling`).
+    (`rocketkv_jax.sampling`); `sampler=` takes any strategy there (`TopK`) or one's own.
   * A cache overflow (an append into a full cache, which the core drops) raises RuntimeError on
     the host after the loop; it cannot happen with a plan made for these lengths.
   * Stats: per row, `kv_tokens_kept_per_row` is the number of valid cache slots per KV head
@@ -298,7 +298,7 @@ class _Inputs:
 
 
 def _prepare(model, prompts, *, method, token_budget, max_new_tokens, temperature, top_p, seed,
-             eos_token_ids, chat, rocket_config, pad_to) -> _Inputs:
+             eos_token_ids, chat, rocket_config, pad_to, sampler=None) -> _Inputs:
   """Checks the arguments, encodes and right-pads the prompts, plans, and places the inputs
   (on the model's mesh, the batch over "dp", if it has one)."""
   if max_new_tokens < 1 or not isinstance(max_new_tokens, int):
@@ -307,6 +307,11 @@ def _prepare(model, prompts, *, method, token_budget, max_new_tokens, temperatur
     raise ValueError(f"temperature must be >= 0, got {temperature}")
   if not 0.0 < top_p <= 1.0:
     raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+  if sampler is not None and (temperature != 0.0 or top_p != 1.0):
+    raise ValueError("sampler: pass a sampling strategy or temperature / top_p, not both")
+  if sampler is not None and not callable(sampler):
+    raise ValueError(f"sampler must be a strategy fn(logits [B, V], key) -> ids [B] such as "
+                     f"rocketkv.sampling.TopK, got {sampler!r}")
   config = model.config
   ids = _encode_prompts(model, prompts, chat)
   lengths = np.array([len(p) for p in ids], np.int32)
@@ -334,7 +339,8 @@ def _prepare(model, prompts, *, method, token_budget, max_new_tokens, temperatur
   rcfg = rocket_config or RocketConfig(token_budget=token_budget, method=method)
   plan = make_plan(rcfg, length, max_new_tokens, config.head_dim)
   check_num_layers(plan, config.num_layers)
-  sampler = sampling.sampler(temperature, top_p)
+  sampler = (sampling.sampler(temperature, top_p) if sampler is None
+             else jax.tree.map(jnp.asarray, sampler))  # its numbers as traced arrays
   key = np.asarray(jax.random.PRNGKey(seed))
   if mesh is None:
     out_sharding = None
@@ -478,6 +484,7 @@ def generate(
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    sampler: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     seed: int = 0,
     eos_token_ids: Sequence[int] | None = None,
     chat: bool = False,
@@ -501,6 +508,9 @@ def generate(
     max_new_tokens: >= 1 tokens to generate at most.
     temperature: 0 for greedy, else the sampling temperature (> 0).
     top_p: nucleus mass in (0, 1].
+    sampler: a sampling strategy instead of temperature / top_p (which then stay at their
+      defaults): `rocketkv.sampling.Greedy()`, `TopP(temperature, top_p)`, `TopK(temperature,
+      k)`, or any pytree `fn(logits [B, V], key) -> ids [B] int32`.
     seed: sampling seed.
     eos_token_ids: stop ids; default the tokenizer's / config's EOS. Pass () to never stop early.
     chat: wrap each string prompt in the model's chat template (user turn + generation prompt).
@@ -530,7 +540,7 @@ def generate(
   inp = _prepare(model, prompts, method=method, token_budget=token_budget,
                  max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                  eos_token_ids=eos_token_ids, chat=chat, rocket_config=rocket_config,
-                 pad_to=pad_to)
+                 pad_to=pad_to, sampler=sampler)
   run = _run(model, inp, programs=PROGRAMS if programs is None else programs, stream=stream,
              block_size=block_size, impl=impl, verbose=verbose)
   result_tokens = decode_loop.strip_eos(run.tokens, run.steps, inp.eos_token_ids)

@@ -1,7 +1,8 @@
 """Sampling strategies: small frozen pytrees mapping logits `[B, V]` to token ids `[B]`.
 
 The class is static (part of a compiled program's signature), the numbers are traced: a new
-temperature or top-p reuses the compiled program.
+temperature or top-p reuses the compiled program (a new `TopK.k` compiles one). Any pytree
+`fn(logits [B, V], key) -> ids [B] int32` is a strategy `generate(..., sampler=...)` accepts.
 """
 
 from __future__ import annotations
@@ -42,6 +43,29 @@ class TopP:
     cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
     logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@struct.dataclass
+class TopK:
+  """softmax(logits / temperature) over each row's k largest logits.
+
+  Attributes:
+    temperature: [] float32, > 0.
+    k: static int >= 1 (a new k compiles a new program); above the vocabulary it keeps it all.
+  """
+
+  temperature: jax.Array
+  k: int = struct.field(pytree_node=False, default=40)
+
+  def __post_init__(self):
+    if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
+      raise ValueError(f"TopK.k must be an int >= 1, got {self.k!r}")
+
+  def __call__(self, logits: jax.Array, key: jax.Array) -> jax.Array:
+    logits = logits / jnp.maximum(self.temperature, 1e-6)
+    top, ids = jax.lax.top_k(logits, min(self.k, logits.shape[-1]))  # [B, k]
+    pick = jax.random.categorical(key, top, axis=-1)                   # [B]
+    return jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
 def sampler(temperature: float, top_p: float) -> Greedy | TopP:

