@@ -309,9 +309,8 @@ def _prepare(model, prompts, *, method, token_budget, max_new_tokens, temperatur
     raise ValueError(f"top_p must be in (0, 1], got {top_p}")
   if sampler is not None and (temperature != 0.0 or top_p != 1.0):
     raise ValueError("sampler: pass a sampling strategy or temperature / top_p, not both")
-  if sampler is not None and not callable(sampler):
-    raise ValueError(f"sampler must be a strategy fn(logits [B, V], key) -> ids [B] such as "
-                     f"rocketkv.sampling.TopK, got {sampler!r}")
+  if sampler is not None:
+    sampler = sampling.as_strategy(sampler)
   config = model.config
   ids = _encode_prompts(model, prompts, chat)
   lengths = np.array([len(p) for p in ids], np.int32)
@@ -339,8 +338,8 @@ def _prepare(model, prompts, *, method, token_budget, max_new_tokens, temperatur
   rcfg = rocket_config or RocketConfig(token_budget=token_budget, method=method)
   plan = make_plan(rcfg, length, max_new_tokens, config.head_dim)
   check_num_layers(plan, config.num_layers)
-  sampler = (sampling.sampler(temperature, top_p) if sampler is None
-             else jax.tree.map(jnp.asarray, sampler))  # its numbers as traced arrays
+  if sampler is None:
+    sampler = sampling.sampler(temperature, top_p)
   key = np.asarray(jax.random.PRNGKey(seed))
   if mesh is None:
     out_sharding = None
@@ -510,7 +509,8 @@ def generate(
     top_p: nucleus mass in (0, 1].
     sampler: a sampling strategy instead of temperature / top_p (which then stay at their
       defaults): `rocketkv.sampling.Greedy()`, `TopP(temperature, top_p)`, `TopK(temperature,
-      k)`, or any pytree `fn(logits [B, V], key) -> ids [B] int32`.
+      k)`, or one's own `fn(logits [B, V], key) -> ids [B] int32`: a pytree with array leaves,
+      or a plain function (static: each new function object compiles again).
     seed: sampling seed.
     eos_token_ids: stop ids; default the tokenizer's / config's EOS. Pass () to never stop early.
     chat: wrap each string prompt in the model's chat template (user turn + generation prompt).

@@ -7,9 +7,12 @@ temperature or top-p reuses the compiled program (a new `TopK.k` compiles one). 
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
 from flax import struct
+import numpy as np
 
 
 @struct.dataclass
@@ -66,6 +69,33 @@ class TopK:
     top, ids = jax.lax.top_k(logits, min(self.k, logits.shape[-1]))  # [B, k]
     pick = jax.random.categorical(key, top, axis=-1)                   # [B]
     return jnp.take_along_axis(ids, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+@struct.dataclass
+class Function:
+  """A plain function `fn(logits [B, V], key) -> ids [B]` as a strategy: static, so each new
+  function object compiles a new program."""
+
+  fn: Callable[[jax.Array, jax.Array], jax.Array] = struct.field(pytree_node=False)
+
+  def __call__(self, logits: jax.Array, key: jax.Array) -> jax.Array:
+    return self.fn(logits, key)
+
+
+def as_strategy(obj) -> Any:
+  """`obj` with its numbers as arrays, a plain function wrapped in `Function`; ValueError for
+  anything else (a strategy's leaves must be numbers or arrays)."""
+  if not callable(obj):
+    raise ValueError(f"sampler must be a strategy fn(logits [B, V], key) -> ids [B] such as "
+                     f"rocketkv.sampling.TopK, got {obj!r}")
+  leaves = jax.tree.leaves(obj)
+  if leaves == [obj]:
+    return Function(obj)
+  numeric = (int, float, np.ndarray, np.generic, jax.Array)
+  if not all(isinstance(x, numeric) and not isinstance(x, bool) for x in leaves):
+    raise ValueError(f"sampler {obj!r}: a strategy's pytree leaves must be numbers or arrays "
+                     f"(its other fields static, as flax.struct.field(pytree_node=False))")
+  return jax.tree.map(jnp.asarray, obj)
 
 
 def sampler(temperature: float, top_p: float) -> Greedy | TopP:

@@ -108,6 +108,11 @@ def test_sampling_is_seeded_and_top_p_limits_to_greedy():
                             **kw).tokens for s in (1, 1, 2)]
   assert top1 == greedy
   assert top4[0] == top4[1] and top4[0] != top4[2] and top4[0] != greedy
+  # plain functions: argmax is greedy; argmin is not
+  def pick(fn):
+    return rocketkv.generate(model, prompt, sampler=lambda logits, key: fn(
+        logits, axis=-1).astype(jnp.int32), **kw).tokens
+  assert pick(jnp.argmax) == greedy and pick(jnp.argmin) != greedy
 
 
 def test_eos_stops_early_and_streaming_sees_every_token():

@@ -69,3 +69,19 @@ def test_greedy_and_top_k_of_one_are_argmax():
 def test_top_k_rejects_a_bad_k(k):
   with pytest.raises(ValueError, match=r"^TopK.k must be an int >= 1"):
     sampling.TopK(temperature=1.0, k=k)
+
+
+def test_as_strategy_wraps_functions_and_converts_numbers():
+  def last_token(logits, key):
+    del key
+    return jnp.full(logits.shape[:1], logits.shape[-1] - 1, jnp.int32)
+
+  fn = sampling.as_strategy(last_token)
+  assert isinstance(fn, sampling.Function) and jax.tree.leaves(fn) == []
+  assert np.array_equal(fn(jnp.asarray(LOGITS), None), [7, 7])
+  top_k = sampling.as_strategy(sampling.TopK(temperature=0.5, k=2))
+  assert isinstance(top_k.temperature, jax.Array) and top_k.k == 2
+  with pytest.raises(ValueError, match=r"^sampler must be a strategy"):
+    sampling.as_strategy(0.7)
+  with pytest.raises(ValueError, match=r"leaves must be numbers or arrays"):
+    sampling.as_strategy(sampling.TopK(temperature="hot", k=2))
