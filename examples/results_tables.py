@@ -43,7 +43,7 @@ import sys
 
 import numpy as np
 
-from rocketkv_jax.eval import report
+from rocketkv_jax.eval import report, variants
 
 OTHERS = ("snapkv", "quest", "sparq", "streamingllm")
 HALF = "exact_topk at B/2"  # the B/2 oracle's records, relabelled to pair with the method at B
@@ -259,6 +259,11 @@ def main(argv=None):
       raise ValueError("--targets needs --budget and takes no --methods")
     if a.baselines and a.targets is None:
       raise ValueError("--baselines-from goes with --targets")
+    for name in ("compare", "task_means"):  # "recommended" -> its spec, as records name it
+      if getattr(a, name) is not None:
+        setattr(a, name, variants.canonical(getattr(a, name)))
+    if a.methods is not None:
+      a.methods = [variants.canonical(m) for m in a.methods]
     res = _load(a.results)
     others = [_load(path) for path in a.others]
     for path in a.baselines:

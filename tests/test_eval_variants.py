@@ -78,7 +78,16 @@ def test_spec_examples():
                                        "window_reduce=max,group_dims=normalized")
   for b in (128, 256, 1024):
     assert variants.rocket_config(variants.RECOMMENDED_SPEC, b) == (
-        rocketkv.RocketConfig.recommended(b))
+        rocketkv.RocketConfig.recommended(b)) == variants.rocket_config("recommended", b)
+
+
+def test_recommended_alias_is_stored_as_its_spec():
+  """Sweeps name the alias's records by the spec, so they pair with committed results."""
+  assert variants.parse("recommended") == variants.parse(variants.RECOMMENDED_SPEC)
+  cfg = harness.SweepConfig(methods=("full", "recommended"), multiturn_methods=("recommended",))
+  assert cfg.methods == ("full", variants.RECOMMENDED_SPEC)
+  assert cfg.multiturn_methods == (variants.RECOMMENDED_SPEC,)
+  assert variants.canonical("rocketkv:r=8") == "rocketkv:r=8"
 
 
 def test_variant_plan_changes_only_the_overridden_fields():

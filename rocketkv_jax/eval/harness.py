@@ -92,6 +92,8 @@ class SweepConfig:
   prompt_format: str = "auto"
 
   def __post_init__(self):
+    for field in ("methods", "multiturn_methods"):  # aliases stored as their specs
+      object.__setattr__(self, field, tuple(variants.canonical(m) for m in getattr(self, field)))
     for m in self.methods:
       variants.parse(m)  # a METHODS name, or a variant spec such as "rocketkv:top_k=B"
     for m in self.multiturn_methods:

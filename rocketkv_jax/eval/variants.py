@@ -16,6 +16,7 @@ A method spec is a name from `rocketkv.METHODS`, optionally followed by `:` and 
     rocketkv:group_dims=normalized  stage 2's r dims weigh every query head of a group the same
     snapkv:window_size=16
     exact_topp:read_mass=0.9        the oracle reading 90% of each head's attention mass
+    recommended                     `RocketConfig.recommended(B)` (an alias of its spec)
 
 A stage-2 variant's own fields (rocketkv_jax/methods/stage2/) are set by their spec keys,
 `<variant>_<field>` (`rerank_factor`, `lowrank_page_size`, `lowrank_rank`, `quant_bits`,
@@ -57,9 +58,11 @@ def _kind(key: str) -> type:
 
 
 def parse(spec: str) -> tuple[str, dict[str, int | float | str]]:
-  """`"rocketkv:top_k=B,r=32"` -> ("rocketkv", {"top_k": "B", "r": 32}); ValueError if bad."""
+  """`"rocketkv:top_k=B,r=32"` -> ("rocketkv", {"top_k": "B", "r": 32}); ValueError if bad.
+  An alias (`ALIASES`) parses as the spec it names."""
   if not isinstance(spec, str) or not spec:
     raise ValueError(f"method must be a non-empty string, got {spec!r}")
+  spec = canonical(spec)
   base, sep, rest = spec.partition(":")
   if base not in rocketkv.METHODS:
     raise ValueError(f"unknown method {base!r} in {spec!r}; allowed: {sorted(rocketkv.METHODS)}")
@@ -150,6 +153,13 @@ def _text(val) -> str:
 
 # `RocketConfig.recommended(B)` as a spec: the name its records carry in results/.
 RECOMMENDED_SPEC = spec(rocketkv.RocketConfig.recommended(256))
+# Short names for specs; sweeps store the spec (`canonical`), so records pair with older runs.
+ALIASES = {"recommended": RECOMMENDED_SPEC}
+
+
+def canonical(spec: str) -> str:
+  """The spec an alias names (`"recommended"` -> `RECOMMENDED_SPEC`); any other spec as is."""
+  return ALIASES.get(spec, spec)
 
 
 def base_method(spec: str) -> str:
