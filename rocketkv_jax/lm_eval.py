@@ -13,8 +13,9 @@ pass an instance: `simple_evaluate(model=RocketKVLM(pretrained=model), ...)`.
 model_args (lm-eval's `key=value,key=value`; model_args win over the CLI's --batch_size):
   pretrained   an HF directory or a .gguf file (default: the embedded SmolLM2-135M-Instruct,
                `rocketkv.models.smollm2_path()`), or a loaded `rocketkv.models.Model`.
-  method, token_budget   the KV method (`rocketkv.METHODS`) and its budget B (default
-               rocketkv / 256).
+  method, token_budget   the KV method (`rocketkv.METHODS`, or recommended for
+               `RocketConfig.recommended`, whose fields the ones given override) and its budget
+               B (default rocketkv / 256).
   <field>      every `rocketkv.RocketConfig` field by name (window_size=, top_k=, ...), typed
                from the dataclass, so fields added later are accepted without changes here.
                stage2= takes a variant's name; its own fields take their spec keys
@@ -173,14 +174,21 @@ class RocketKVLM(TemplateLM):
     if unknown:
       valid = sorted(set(_OWN_ARGS) | set(fields) | set(s2_keys))
       raise ValueError(f"unknown model_args {sorted(unknown)}; valid: {', '.join(valid)}")
+    # method=recommended: `RocketConfig.recommended`'s fields, under the ones given
+    preset = dict(rocketkv.RECOMMENDED) if method == "recommended" else {"method": method}
+    method = preset.pop("method")
     if method not in rocketkv.METHODS:
-      raise ValueError(f"method must be one of {tuple(rocketkv.METHODS)}, got {method!r}")
+      raise ValueError(f"method must be one of {tuple(rocketkv.METHODS) + ('recommended',)}, "
+                       f"got {method!r}")
     if variant:
-      rocket["stage2"] = stage2_lib.from_spec(rocket.get("stage2", "minmax"), variant)
+      base = stage2_lib.get(rocket.get("stage2", preset.get("stage2", "minmax")))
+      built = stage2_lib.from_spec(base.name, variant)  # checks the keys belong to it
+      rocket["stage2"] = dataclasses.replace(
+          base, **{f: getattr(built, f) for f in (s2_keys[k][1] for k in variant)})
     self.method = method
     self.token_budget = _coerce("token_budget", token_budget, int)
     self.rocket_config = rocketkv.RocketConfig(token_budget=self.token_budget, method=method,
-                                               **rocket)
+                                               **{**preset, **rocket})
 
     if isinstance(pretrained, rocketkv.models.Model):
       self.model = pretrained

@@ -181,6 +181,13 @@ def test_model_args_parse_rocket_config_fields_and_reject_unknown_names():
                                                    mean_value=True)
   with pytest.raises(ValueError, match="quant_bits=2 needs stage2='quant', got 'rerank'"):
     _lm(stage2="rerank", quant_bits=2)
+  # method=recommended: RocketConfig.recommended, the fields given on top (a variant key keeps
+  # the recommended variant's other fields)
+  assert _lm(method="recommended").rocket_config == rocketkv.RocketConfig.recommended(256)
+  lm = _lm(method="recommended", token_budget="128", quant_bits="2", window_reduce="sum")
+  assert lm.rocket_config == rocketkv.RocketConfig.recommended(
+      128, stage2=rocketkv.Quant(bits=2, capacity="equal_read"), window_reduce="sum")
+  assert lm.method == "rocketkv"
   with pytest.raises(ValueError, match="loglikelihood_rolling needs method='full'"):
     _lm(**GEN).loglikelihood_rolling([_req("loglikelihood_rolling", ("abc",))])
 
