@@ -1,8 +1,9 @@
 """Sampling strategies: small frozen pytrees mapping logits `[B, V]` to token ids `[B]`.
 
 The class is static (part of a compiled program's signature), the numbers are traced: a new
-temperature or top-p reuses the compiled program (a new `TopK.k` compiles one). Any pytree
-`fn(logits [B, V], key) -> ids [B] int32` is a strategy `generate(..., sampler=...)` accepts.
+temperature or top-p reuses the compiled program (a new `TopK.k` compiles one). `generate(..., sampler=...)` takes
+any of these, a pytree of one's own `fn(logits [B, V], key) -> ids [B] int32` with array leaves,
+or a plain function (`as_strategy`).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def as_strategy(obj) -> Any:
     raise ValueError(f"sampler must be a strategy fn(logits [B, V], key) -> ids [B] such as "
                      f"rocketkv.sampling.TopK, got {obj!r}")
   leaves = jax.tree.leaves(obj)
-  if leaves == [obj]:
+  if len(leaves) == 1 and leaves[0] is obj:  # not a pytree: a plain function
     return Function(obj)
   numeric = (int, float, np.ndarray, np.generic, jax.Array)
   if not all(isinstance(x, numeric) and not isinstance(x, bool) for x in leaves):

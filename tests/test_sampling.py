@@ -85,3 +85,20 @@ def test_as_strategy_wraps_functions_and_converts_numbers():
     sampling.as_strategy(0.7)
   with pytest.raises(ValueError, match=r"leaves must be numbers or arrays"):
     sampling.as_strategy(sampling.TopK(temperature="hot", k=2))
+
+
+def test_as_strategy_keeps_a_one_leaf_pytree_of_ones_own():
+  from flax import struct
+
+  @struct.dataclass
+  class Hot:
+    temperature: jax.Array
+
+    def __call__(self, logits, key):
+      return jax.random.categorical(key, logits / self.temperature, axis=-1).astype(jnp.int32)
+
+  hot = sampling.as_strategy(Hot(temperature=0.5))
+  assert isinstance(hot, Hot) and isinstance(hot.temperature, jax.Array)
+  freq = _frequencies(hot)
+  np.testing.assert_allclose(freq, _softmax_of(LOGITS, np.ones(LOGITS.shape, bool), 0.5),
+                             atol=0.025)
