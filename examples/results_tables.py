@@ -235,10 +235,11 @@ def main(argv=None):
                       "other one)")
   p.add_argument("--tasks", nargs="+", default=None,
                  help="with --compare / --task-means: only these tasks (after pooling)")
-  p.add_argument("--with", dest="others", nargs="+", default=[], metavar="JSON",
+  p.add_argument("--with", dest="others", nargs="+", action="extend", default=[],
+                 metavar="JSON",
                  help="with --compare / --task-means / --targets: later runs of the same cells "
-                      "(same seed and samples) whose other methods join the comparison; records "
-                      "both runs hold "
+                      "(same seed and samples) whose other methods join the comparison (repeat "
+                      "it to add more); records both runs hold "
                       "must agree on every field both have (gold scores only one has are joined)")
   p.add_argument("--baselines-from", dest="baselines", nargs="+", default=[], metavar="JSON",
                  help="with --targets: runs (e.g. the committed sweeps) of which only the other "

@@ -246,6 +246,16 @@ def test_compare_pools_a_later_run_of_other_methods(tmp_path, capsys):
                     "--with", str(tmp_path / "bad.json")])
   assert e.value.code == 2 and "runs disagree on ('passkey', 2048, 5, 'full', None" in (
       capsys.readouterr().err)
+  # --with repeated adds to the pool: the new run's methods in two files
+  full_only = dict(new, records=[r for r in new["records"] if r["method"] == "full"])
+  rk_only = dict(new, records=[r for r in new["records"] if r["method"] == "rocketkv"])
+  (tmp_path / "f.json").write_text(json.dumps(full_only))
+  (tmp_path / "k.json").write_text(json.dumps(rk_only))
+  TABLES["main"](["--compare", "full", "--budget", "256", str(tmp_path / "old.json"),
+                  "--methods", "rocketkv", "--with", str(tmp_path / "f.json"),
+                  "--with", str(tmp_path / "k.json")])
+  assert f"| passkey | 2K | rocketkv | 10 | 70.0 | 60.0 | {d:+.1f} [{lo:+.1f}, {hi:+.1f}] |" in (
+      capsys.readouterr().out)
 
 
 def test_pool_joins_gold_fields_that_only_one_run_has():
