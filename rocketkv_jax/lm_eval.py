@@ -41,8 +41,9 @@ Requests:
   * generate_until: grouped by generation settings, sorted by length, batched (ragged)
     through `rocketkv.generate`; generation stops at EOS or max_gen_toks (default 256) and the
     text is then cut at the first stop string of `until` (as lm-eval's HF backend does).
-    do_sample=false (default) is greedy; do_sample=true uses temperature / top_p. Other
-    generation kwargs are ignored with a warning.
+    do_sample=false (default) is greedy; do_sample=true uses temperature and top_p, or top_k
+    (`sampling.TopK`; with top_p < 1 too, ValueError: no strategy here applies both; top_k=0
+    is off, as in transformers). Other generation kwargs are ignored with a warning.
   * loglikelihood: `rocketkv.score_continuations`: the context is prefilled and the
     continuation teacher-forced through the method's own decode steps, so the score is what
     the compressed cache predicts. is_greedy: every continuation token was its step's argmax.
@@ -82,7 +83,7 @@ except ModuleNotFoundError as e:  # the optional extra is missing: one line, not
   raise ImportError(_MSG) from None
 
 import rocketkv_jax as rocketkv
-from rocketkv_jax import methods
+from rocketkv_jax import methods, sampling
 from rocketkv_jax.methods import stage2 as stage2_lib
 from rocketkv_jax.models import llama
 
@@ -93,7 +94,7 @@ _OWN_ARGS = dict(pretrained=None, dtype="float32", batch_size=1, max_length=None
                  pad_multiple=64, pad_to=None, seed=0, impl="auto")
 # Passed by lm-eval itself (simple_evaluate / CLI); accepted and ignored.
 _IGNORED_ARGS = ("device", "max_batch_size")
-_GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_p", "seed")
+_GEN_KWARGS = ("until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k", "seed")
 
 
 def rocket_config_fields() -> dict[str, Any]:
@@ -397,7 +398,7 @@ class RocketKVLM(TemplateLM):
         rows = idx[start:start + self.batch_size]
         res = rocketkv.generate(
             self.model, [ids[i] for i in rows], rocket_config=self.rocket_config,
-            max_new_tokens=max_new, temperature=s["temperature"], top_p=s["top_p"],
+            max_new_tokens=max_new, sampler=s["sampler"],
             seed=s["seed"] + batch_no, impl=self.impl, pad_to=self.pad_to)
         batch_no += 1
         for i, text in zip(rows, res.text):
@@ -421,13 +422,19 @@ class RocketKVLM(TemplateLM):
     if not do_sample:
       temperature = 0.0
     top_p = float(kw.get("top_p", 1.0) or 1.0)
+    top_k = int(kw.get("top_k", 0) or 0) if temperature else 0
+    if top_k < 0 or (top_k and top_p < 1.0):
+      raise ValueError(f"generation kwargs: top_k must be >= 0 and goes without top_p < 1, got "
+                       f"top_k={top_k}, top_p={top_p}")
     seed = int(kw.get("seed", self.seed))
     ignored = sorted(set(kw) - set(_GEN_KWARGS) - {"max_new_tokens"})
     if ignored:
       logger.warning("rocketkv: generation kwargs %s are ignored", ignored)
-    key = (int(max_new), temperature, top_p if temperature else 1.0, seed)
-    return dict(until=list(until), max_gen_toks=int(max_new), temperature=temperature,
-                top_p=top_p, seed=seed, key=key)
+    key = (int(max_new), temperature, top_p if temperature else 1.0, top_k, seed)
+    sampler = (sampling.TopK(temperature=temperature, k=top_k) if top_k
+               else sampling.sampler(temperature, top_p))
+    return dict(until=list(until), max_gen_toks=int(max_new), sampler=sampler, seed=seed,
+                key=key)
 
 
 def cut_at_stop(text: str, until) -> str:

@@ -139,6 +139,26 @@ def test_generate_until_equals_rocketkv_generate_and_cuts_at_stop_strings():
   assert all(len(g) <= 2 for g in got)
 
 
+def test_generate_until_top_k_samples_from_the_k_best():
+  """do_sample with top_k: k=1 is greedy; k=4 is seeded and samples; with top_p < 1 too it is
+  an error (no strategy here applies both)."""
+  model = tiny_model()
+  greedy = rocketkv.generate(model, [model.tokenizer.encode(p) for p in PROMPTS],
+                             max_new_tokens=MAX_GEN, **GEN).text
+  lm = _lm(batch_size=len(PROMPTS), **GEN)
+
+  def run(**kw):
+    args = dict(max_gen_toks=MAX_GEN, until=[], do_sample=True, temperature=1.0, **kw)
+    return lm.generate_until([_req("generate_until", (p, args), i)
+                              for i, p in enumerate(PROMPTS)])
+
+  assert run(top_k=1) == greedy
+  four = run(top_k=4)
+  assert four == run(top_k=4) and four != greedy and four != run(top_k=4, seed=7)
+  with pytest.raises(ValueError, match="top_k must be >= 0 and goes without top_p < 1"):
+    run(top_k=4, top_p=0.9)
+
+
 def test_generate_until_pad_to_plans_as_generate_pad_to():
   model = tiny_model()
   ids = [model.tokenizer.encode(p) for p in PROMPTS]
