@@ -447,9 +447,7 @@ def load(args, job: _Job, mesh=None):
 
 
 def _sampler(args):
-  if args.top_k is not None:
-    return sampling.TopK(temperature=args.temperature, k=args.top_k)
-  return sampling.sampler(args.temperature, args.top_p)
+  return sampling.sampler(args.temperature, args.top_p, args.top_k or 0)
 
 
 def run(args, job: _Job, model):

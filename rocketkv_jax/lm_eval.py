@@ -431,10 +431,8 @@ class RocketKVLM(TemplateLM):
     if ignored:
       logger.warning("rocketkv: generation kwargs %s are ignored", ignored)
     key = (int(max_new), temperature, top_p if temperature else 1.0, top_k, seed)
-    sampler = (sampling.TopK(temperature=temperature, k=top_k) if top_k
-               else sampling.sampler(temperature, top_p))
-    return dict(until=list(until), max_gen_toks=int(max_new), sampler=sampler, seed=seed,
-                key=key)
+    return dict(until=list(until), max_gen_toks=int(max_new),
+                sampler=sampling.sampler(temperature, top_p, top_k), seed=seed, key=key)
 
 
 def cut_at_stop(text: str, until) -> str:

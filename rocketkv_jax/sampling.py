@@ -1,9 +1,9 @@
 """Sampling strategies: small frozen pytrees mapping logits `[B, V]` to token ids `[B]`.
 
 The class is static (part of a compiled program's signature), the numbers are traced: a new
-temperature or top-p reuses the compiled program (a new `TopK.k` compiles one). `generate(..., sampler=...)` takes
-any of these, a pytree of one's own `fn(logits [B, V], key) -> ids [B] int32` with array leaves,
-or a plain function (`as_strategy`).
+temperature or top-p reuses the compiled program (a new `TopK.k` compiles one).
+`generate(..., sampler=...)` takes any of these, a pytree of one's own
+`fn(logits [B, V], key) -> ids [B] int32` with array leaves, or a plain function (`as_strategy`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 import numpy as np
+from flax import struct
 
 
 @struct.dataclass
@@ -99,8 +99,13 @@ def as_strategy(obj) -> Any:
   return jax.tree.map(jnp.asarray, obj)
 
 
-def sampler(temperature: float, top_p: float) -> Greedy | TopP:
-  """`Greedy()` for temperature 0, else `TopP`."""
+def sampler(temperature: float, top_p: float, top_k: int = 0) -> Greedy | TopP | TopK:
+  """`Greedy()` for temperature 0, else `TopK` when top_k > 0 (top_p must then be 1), else
+  `TopP`."""
   if temperature == 0.0:
     return Greedy()
+  if top_k:
+    if top_p != 1.0:
+      raise ValueError(f"top_k goes without top_p < 1, got top_k={top_k}, top_p={top_p}")
+    return TopK(temperature=temperature, k=top_k)  # generate's as_strategy makes it an array
   return TopP(temperature=jnp.float32(temperature), top_p=jnp.float32(top_p))

@@ -102,3 +102,12 @@ def test_as_strategy_keeps_a_one_leaf_pytree_of_ones_own():
   freq = _frequencies(hot)
   np.testing.assert_allclose(freq, _softmax_of(LOGITS, np.ones(LOGITS.shape, bool), 0.5),
                              atol=0.025)
+
+
+def test_sampler_picks_the_strategy_of_its_arguments():
+  assert sampling.sampler(0.0, 0.5, 7) == sampling.Greedy()
+  top_k = sampling.sampler(0.8, 1.0, 7)
+  assert isinstance(top_k, sampling.TopK) and top_k.k == 7
+  assert isinstance(sampling.sampler(0.8, 0.9), sampling.TopP)
+  with pytest.raises(ValueError, match=r"^top_k goes without top_p < 1"):
+    sampling.sampler(0.8, 0.9, 7)
