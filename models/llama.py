@@ -36,9 +36,9 @@ Entry points:
   * `decode_step(params, cache, tokens, positions)` -- the pure step
     `(params, cache, tokens, positions) -> (logits, cache)` over `rocketkv.decode_step`.
   * `turn_prefill(params, caches, tokens, turn_lengths)` -- a later turn's prompt run densely
-    over per-layer caches (multi-turn evaluation; not for hybrid models).
+    over per-layer caches (multi-turn: `rocketkv.Conversation`, the evaluation harness).
 Building blocks, public for other model-level code: `embed`, `qkv`, `attn_residual`,
-`mlp_residual`, `unembed`, `window_cache`, `window_decode`, `layer_reads`,
+`mlp_residual`, `unembed`, `window_cache`, `window_decode`, `window_extend`, `layer_reads`,
 `state_view`.
 """
 
@@ -383,6 +383,27 @@ def window_decode(q: jnp.ndarray, k_new: jnp.ndarray, v_new: jnp.ndarray, cache:
   return attend_dense_before_append(q, cache, k_new, v_new, sliding_window=window), new
 
 
+def window_extend(cache: KVCache, k: jnp.ndarray, v: jnp.ndarray, lengths: jnp.ndarray,
+                  window: int, max_new_tokens: int) -> KVCache:
+  """A sliding layer's state after a later turn's prompt: the last `window` valid tokens of its
+  `window_cache` (slots in position order) followed by the turn's `k, v` `[B, Hkv, T, D]`
+  (`lengths[b]` valid), with room for `max_new_tokens` more, as `window_cache` makes it."""
+  b, h, t, _ = k.shape
+  c = cache.capacity
+  w = min(window, c + t)
+  n = cache.length + lengths  # [B] valid tokens of cache then turn
+  src = jnp.maximum(n - w, 0)[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]  # [B, w]
+  idx = jnp.where(src < cache.length[:, None], src, c + src - cache.length[:, None])
+  idx = jnp.minimum(idx, c + t - 1)  # rows past n: clamped, then masked by from_kept
+  turn_pos = cache.seen[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+  take = lambda x: jnp.take_along_axis(x, idx[:, None, :, None], axis=2)
+  kk = take(jnp.concatenate([cache.k, k.astype(cache.dtype)], axis=2))
+  vv = take(jnp.concatenate([cache.v, v.astype(cache.dtype)], axis=2))
+  pos = jnp.concatenate([cache.pos, jnp.broadcast_to(turn_pos[:, None], (b, h, t))], axis=2)
+  pos = jnp.take_along_axis(pos, jnp.broadcast_to(idx[:, None], (b, h, w)), axis=2)
+  return from_kept(kk, vv, pos, jnp.minimum(n, w), cache.seen + lengths, w + max_new_tokens, 0)
+
+
 def state_view(plan, config: ModelConfig | None = None):
   """`state -> KVCache` for a layer's decode state: the method's `view`, except for a
   hybrid's sliding layers, whose state is a `KVCache` of their own (`window_cache`)."""
@@ -542,11 +563,13 @@ def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarr
   return unembed(params, config, x[:, 0]), cache.replace(groups=tuple(groups))
 
 
-def _turn_attention(q, ck, cv, cvalid, tk, tv, tvalid):
+def _turn_attention(q, ck, cv, cvalid, tk, tv, tvalid, *, window=None, cpos=None, tpos=None):
   """Turn queries over cache slots (all visible where valid) + causal turn keys.
 
   q `[B, Hq, T, D]`, ck/cv `[B, Hkv, C, D]`, cvalid `[B, Hkv, C]`, tk/tv `[B, Hkv, T, D]`,
-  tvalid `[B, T]` -> `[B, Hq, T, D]` (fp32 softmax).
+  tvalid `[B, T]` -> `[B, Hq, T, D]` (fp32 softmax). With a sliding `window`, a query at
+  position p sees only keys at positions > p - window: `cpos` `[B, Hkv, C]` the slots'
+  positions, `tpos` `[B, T]` the turn tokens'.
   """
   b, hq, t, d = q.shape
   qg = group_queries(q, ck.shape[1]).astype(jnp.float32)
@@ -555,8 +578,12 @@ def _turn_attention(q, ck, cv, cvalid, tk, tv, tvalid):
   s_t = jnp.einsum("bhgtd,bhsd->bhgts", qg, tk.astype(jnp.float32)) * scale
   causal = jnp.tril(jnp.ones((t, t), bool))
   ok_t = causal[None, None, None] & tvalid[:, None, None, None, :]
-  ok = jnp.concatenate([jnp.broadcast_to(cvalid[:, :, None, None, :], s_c.shape),
-                        jnp.broadcast_to(ok_t, s_t.shape)], axis=-1)
+  ok_c = jnp.broadcast_to(cvalid[:, :, None, None, :], s_c.shape)
+  if window is not None:
+    qp = tpos[:, None, None, :, None]  # [B, 1, 1, T, 1]
+    ok_c = ok_c & (qp - cpos[:, :, None, None, :] < window)
+    ok_t = ok_t & (qp - tpos[:, None, None, None, :] < window)
+  ok = jnp.concatenate([ok_c, jnp.broadcast_to(ok_t, s_t.shape)], axis=-1)
   # The package's one masking rule (ops.masked_softmax): masked -inf, a row with none all 0.
   p = masked_softmax(jnp.concatenate([s_c, s_t], axis=-1), ok)
   vals = jnp.concatenate([cv, tv], axis=2).astype(jnp.float32)
@@ -569,11 +596,14 @@ def turn_prefill(params: Params, caches, tokens: jnp.ndarray, turn_lengths: jnp.
   """A later turn's prompt, run densely over per-layer `KVCache`s (multi-turn decoding).
 
   Every turn token attends to the valid slots of its layer's cache and, causally, to the turn
-  tokens before it. Positions continue from `caches[0].seen`.
+  tokens before it; on a layer with a sliding window (`config.layer_window`) only to those
+  within the window. Positions continue from `caches[0].seen`. A hybrid's sliding layers take
+  their window caches (`window_cache`; `window_extend` adds the turn to them).
 
   Args:
     params: parameter pytree.
-    caches: one `rocketkv.KVCache` per layer (a list).
+    caches: one `rocketkv.KVCache` per layer (a list), all of one capacity except a hybrid's
+      sliding layers'.
     tokens: `[B, T]` int32 right-padded turn ids.
     turn_lengths: `[B]` int32 valid turn tokens.
     config: static `ModelConfig`.
@@ -585,8 +615,6 @@ def turn_prefill(params: Params, caches, tokens: jnp.ndarray, turn_lengths: jnp.
     ready for `rocketkv.extend` or `rocketkv.begin_turn`; with `return_logits`, the logits
     after them.
   """
-  if config.window_layers:
-    raise ValueError("multi-turn prefill is not supported on hybrid sliding/full models (Gemma 3)")
   b, t = tokens.shape
   seen = caches[0].seen
   positions = seen[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -602,7 +630,8 @@ def turn_prefill(params: Params, caches, tokens: jnp.ndarray, turn_lengths: jnp.
     cvalid = jnp.broadcast_to((jnp.arange(cache.capacity) < cache.length[:, None])[:, None, :],
                               cache.pos.shape)
     a = _turn_attention(q, cache.k, cache.v, cvalid, k.astype(cache.k.dtype),
-                        v.astype(cache.v.dtype), tvalid)
+                        v.astype(cache.v.dtype), tvalid, window=config.layer_window(i),
+                        cpos=cache.pos, tpos=positions)
     x = mlp_residual(lp, config, attn_residual(lp, x, a, config))
     ks.append(k)
     vs.append(v)

@@ -26,10 +26,11 @@ from rocketkv_jax.methods.stage2 import LowRank, MinMax, Quant, Rerank, Stage2  
 from rocketkv_jax.methods.stage2.lowrank import LowRankState  # noqa: E402
 from rocketkv_jax.methods.stage2.quant import QuantState  # noqa: E402
 from rocketkv_jax.generate import GenerationResult, generate  # noqa: E402
+from rocketkv_jax.conversation import Conversation  # noqa: E402
 from rocketkv_jax.teacher_forced import ContinuationScores, score_continuations  # noqa: E402
 
 __all__ = [
-    "ContinuationScores", "GROUP_DIMS", "GenerationResult", "KVCache", "LowRank", "LowRankState",
+    "ContinuationScores", "Conversation", "GROUP_DIMS", "GenerationResult", "KVCache", "LowRank", "LowRankState",
     "METHODS", "MTState", "MinMax", "Plan", "Quant", "QuantState", "RECOMMENDED", "Rerank",
     "RocketConfig",
     "STAGE2", "Stage2", "WINDOW_REDUCE", "append", "attend",

@@ -370,6 +370,7 @@ class _Run:
   compile_s: float
   peak_bytes: int
   rows_read: np.ndarray | None = None  # [layers, len(ids)]: a reads_by_mass method's count
+  cache: Any = None  # the decode's final `llama.LayerStack` (a conversation's next turn)
 
 
 def _run(model, inp: _Inputs, *, programs: ProgramCache, stream, block_size, impl,
@@ -394,40 +395,62 @@ def _run(model, inp: _Inputs, *, programs: ProgramCache, stream, block_size, imp
   kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache)) * n // inp.rows
 
   params, _, lengths_j, key, sampler = inp.prefill_args
-  dec_args = (params, cache, first, lengths_j, key, sampler, inp.eos)
+  dec = _decode(model, plan, (params, cache, first, lengths_j, key, sampler, inp.eos),
+                programs=programs, stream=stream, impl=impl, say=say, n=n, rows=inp.rows,
+                max_new_tokens=inp.max_new_tokens, out_sharding=inp.out_sharding)
+  if dec.overflow.any():
+    raise RuntimeError(
+        f"KV cache overflow for batch rows {np.nonzero(dec.overflow.any(0))[0]}"
+        f" (capacity {plan.capacity}); the plan was made for prompt_len={inp.length}, "
+        f"max_new_tokens={inp.max_new_tokens}")
+  return _Run(tokens=dec.tokens, steps=dec.steps, kept=kept, kv_bytes=int(kv_bytes),
+              prefill_s=prefill_s, decode_s=dec.seconds, compile_s=pre_compile + dec.compile_s,
+              peak_bytes=max(_peak_bytes(pre_exe), dec.peak_bytes),
+              rows_read=_rows_read(plan, dec.cache, n), cache=dec.cache)
+
+
+@dataclasses.dataclass
+class _Decoded:
+  """What one run of the decode program returned, for the caller's rows."""
+
+  tokens: np.ndarray  # [n, max_new_tokens]
+  steps: int
+  overflow: np.ndarray  # [groups, n] bool
+  cache: Any  # the final `llama.LayerStack` (every row, "dp" padding included)
+  seconds: float
+  compile_s: float
+  peak_bytes: int
+
+
+def _decode(model, plan, dec_args: tuple, *, programs: ProgramCache, stream, impl, say, n: int,
+            rows: int, max_new_tokens: int, out_sharding) -> _Decoded:
+  """Compiles (or finds) and runs `decode_program` on `dec_args` = (params, cache `LayerStack`
+  (donated), first token `[rows]`, its positions `[rows]`, key, sampler, eos)."""
   sink = None
   if stream is not None:
     sink = programs.stream_sink
     # the stream sees the caller's rows, not the "dp" padding
     stream_id = sink.register(lambda step, t, done: stream(step, t[:n], done[:n]))
     sid = np.asarray(stream_id, np.int32)
-    dec_args += (jnp.asarray(sid) if inp.out_sharding is None
-                 else sharding_lib.global_array(sid, inp.out_sharding),)
+    dec_args += (jnp.asarray(sid) if out_sharding is None
+                 else sharding_lib.global_array(sid, out_sharding),)
   say.start("compiling decode")
   try:
     dec_exe, dec_compile = programs.get(
         "decode", decode_program,
-        dict(config=model.config, plan=plan, max_new_tokens=inp.max_new_tokens, stream=sink,
-             impl=impl, out_sharding=inp.out_sharding), (1,), dec_args)
+        dict(config=model.config, plan=plan, max_new_tokens=max_new_tokens, stream=sink,
+             impl=impl, out_sharding=out_sharding), (1,), dec_args)
     say.done(dec_compile)
     t0 = time.perf_counter()
     out, steps, overflow, final = dec_exe(*dec_args)
     out = np.asarray(out)[:n]
-    rows_read = _rows_read(plan, final, n)
     decode_s = time.perf_counter() - t0
   finally:
     if sink is not None:
       sink.unregister(stream_id)
-  steps = int(steps)
-  overflow = np.asarray(overflow).reshape(-1, inp.rows)[:, :n]
-  if overflow.any():
-    raise RuntimeError(
-        f"KV cache overflow for batch rows {np.nonzero(overflow.any(0))[0]}"
-        f" (capacity {plan.capacity}); the plan was made for prompt_len={inp.length}, "
-        f"max_new_tokens={inp.max_new_tokens}")
-  return _Run(tokens=out, steps=steps, kept=kept, kv_bytes=int(kv_bytes),
-              prefill_s=prefill_s, decode_s=decode_s, compile_s=pre_compile + dec_compile,
-              peak_bytes=max(_peak_bytes(pre_exe), _peak_bytes(dec_exe)), rows_read=rows_read)
+  return _Decoded(tokens=out, steps=int(steps),
+                  overflow=np.asarray(overflow).reshape(-1, rows)[:, :n], cache=final,
+                  seconds=decode_s, compile_s=dec_compile, peak_bytes=_peak_bytes(dec_exe))
 
 
 def _rows_read(plan, cache, n: int) -> np.ndarray | None:

@@ -10,6 +10,7 @@ import pytest
 
 import rocketkv_jax as rocketkv
 from eval_fixtures import tiny_model
+from rocketkv_jax.conversation import turn_text
 from rocketkv_jax.eval import harness, report, tasks
 from rocketkv_jax.eval.runner import Runner
 
@@ -98,7 +99,7 @@ def test_multiturn_scored_per_turn_and_full_matches_generate():
                         target_tokens=harness.padded_len(model, 1024, 5 + 1 * (pad + 5)))
   by = {(r["task"], r["method"]): r for r in recs}
   conv = tasks.chat_ids(model.tokenizer, s.prompt) + by[("multiturn_t1", "full")]["tokens"]
-  conv += model.tokenizer.encode(harness._turn_text(model.tokenizer, s.questions[0]))
+  conv += model.tokenizer.encode(turn_text(model.tokenizer, s.questions[0]))
   ref = rocketkv.generate(model, [conv], method="full", max_new_tokens=5, eos_token_ids=(2,))
   assert by[("multiturn_t2", "full")]["tokens"] == ref.tokens[0]
   # Turn 1 of rocketkv and rocketkv_mt is the same computation (stage 1 from question 1).

@@ -57,6 +57,7 @@ import numpy as np
 
 import rocketkv_jax as rocketkv
 from rocketkv_jax import methods as methods_lib
+from rocketkv_jax.conversation import turn_text
 from rocketkv_jax.eval import longbench, tasks as tasks_lib, variants
 from rocketkv_jax.eval.runner import Runner, as_cache, layer_states
 from rocketkv_jax.methods.stage2 import cache_of
@@ -131,6 +132,9 @@ def prompt_format(model, cfg: SweepConfig) -> str:
 def sweep_tokenizer(model, cfg: SweepConfig):
   """The model's tokenizer, wrapped for completion form where the sweep prompts in it."""
   fmt = prompt_format(model, cfg)
+  if tasks_lib.MULTITURN_TASK in cfg.tasks and model.config.window_layers:
+    raise ValueError("tasks: 'multiturn' runs on models without hybrid sliding layers; on "
+                     "Gemma 3 use rocketkv.Conversation")
   if fmt == "completion" and tasks_lib.MULTITURN_TASK in cfg.tasks:
     raise ValueError("tasks: 'multiturn' needs a chat template, and this model's tokenizer has "
                      "none")
@@ -226,21 +230,6 @@ def _attach_all(caches, *, plan, dense):
 def _begin_all(states, kt, vt, qw, tl, *, plan):
   return [rocketkv.begin_turn(s, kt[i], vt[i], qw[i], plan, turn_lengths=tl)
           for i, s in enumerate(states)]
-
-
-def _turn_text(tokenizer, question: str) -> str:
-  """Text between the end of an assistant answer and the next answer (template-derived)."""
-  mark = "ZQZQANSWERZQZQ"
-  user = {"role": "user", "content": "U"}
-  prev = tokenizer.apply_chat_template([user, {"role": "assistant", "content": mark}],
-                                       add_generation_prompt=False)
-  full = tokenizer.apply_chat_template(
-      [user, {"role": "assistant", "content": mark}, {"role": "user", "content": question}],
-      add_generation_prompt=True)
-  end = prev[prev.index(mark) + len(mark):]
-  if not full.startswith(prev):
-    raise ValueError("the chat template does not extend a conversation by appending")
-  return end + full[len(prev):]
 
 
 # --------------------------------------------------------------------------- sweep
@@ -478,7 +467,7 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar, ski
       for t in range(turns):
         if t > 0:
           last = int(out[0, steps - 1])
-          text = _turn_text(tok, s.questions[t - 1])
+          text = turn_text(tok, s.questions[t - 1])
           tids = ([] if last in eos else [last]) + tok.encode(text, add_special_tokens=False)
           if len(tids) > tpad:
             raise ValueError(f"turn prompt has {len(tids)} > turn_pad={tpad} tokens")

@@ -21,7 +21,7 @@ and a few class-level facts the harness and `generate` read instead of its name:
 `shares_read_across_heads` (its `select` splits the layer's reads among the KV heads),
 `picks_dims` (it scores on the r query dims of `ops.top_r_dims`: `RocketConfig.group_dims`),
 `reads_by_mass` (its read per head and step follows the attention mass: the state counts it,
-`rows_read`).
+`rows_read`), `takes_turns` (`rocketkv.Conversation` can add a turn to its state).
 
 Dense layers (`dense_layers`: Quest's first two, RocketKV's `skip_layers`) are chosen by the
 method from the layer index that `rocketkv.prefill` / `rocketkv.decode_step` receive as
@@ -69,6 +69,9 @@ class Method:
   # Its approximate scores use the r query dims of `ops.top_r_dims` (with a stage-2 variant that
   # does too, `Stage2.picks_dims`): RocketConfig.group_dims may be other than "sum".
   picks_dims: ClassVar[bool] = False
+  # `rocketkv.Conversation` can add a turn to its state: a `KVCache`, a stage-2 state around
+  # one (rebuilt over the grown cache) or, with `keeps_full_cache`, an `MTState`.
+  takes_turns: ClassVar[bool] = True
 
   # ---------------------------------------------------------------- configuration
   def check_config(self, config) -> None:

@@ -59,6 +59,7 @@ class ExactTopP(Method):
   dense = False
   uses_budget = False
   reads_by_mass = True
+  takes_turns = False  # its read counters are per decode, not per conversation
 
   def check_config(self, config) -> None:
     p = config.read_mass
