@@ -72,9 +72,9 @@ _TRADES = ["wool", "copper", "salt", "timber", "glassware", "barley", "silk", "p
            "cider", "iron nails", "candles", "rope"]
 _EVENTS = ["a long drought", "a great flood", "a record harvest", "a bridge collapse",
            "a bitter winter", "a market fire", "a new canal", "a royal visit"]
-_NEEDLE = ("Important note for later: the secret password to open the old lighthouse is "
+NEEDLE = ("Important note for later: the secret password to open the old lighthouse is "
            "\"silver falcon\". Remember it.")
-_QUESTION = "What is the secret password to open the old lighthouse?"
+QUESTION = "What is the secret password to open the old lighthouse?"
 DEMO_PARAGRAPHS, QUICK_PARAGRAPHS = 60, 12
 PASSKEY_PARAGRAPHS = 40  # --model gemma3's demo: ~2.7K tokens
 DEMO_NEW_TOKENS, QUICK_NEW_TOKENS = 48, 16
@@ -85,17 +85,17 @@ _PASS_KEY_NEEDLE = f"The pass key is {_PASS_KEY}. Remember it. {_PASS_KEY} is th
 
 
 def demo_prompt(paragraphs: int = DEMO_PARAGRAPHS) -> str:
-  """A deterministic long document (~3K tokens) with `_NEEDLE` in the middle + the question."""
-  return _document(paragraphs, _NEEDLE) + f"\n\nQuestion: {_QUESTION}\nAnswer briefly."
+  """A deterministic long document (~3K tokens) with `NEEDLE` in the middle + the question."""
+  return document(paragraphs, NEEDLE) + f"\n\nQuestion: {QUESTION}\nAnswer briefly."
 
 
 def passkey_prompt(paragraphs: int = PASSKEY_PARAGRAPHS) -> str:
   """The demo for a base model (`--model gemma3`): the same document with a pass key in the
   middle, in completion form: it ends "... The pass key is" (~2.7K Gemma 3 tokens)."""
-  return _document(paragraphs, _PASS_KEY_NEEDLE) + "\n\nWhat is the pass key? The pass key is"
+  return document(paragraphs, _PASS_KEY_NEEDLE) + "\n\nWhat is the pass key? The pass key is"
 
 
-def _document(paragraphs: int, needle: str) -> str:
+def document(paragraphs: int, needle: str) -> str:
   """The demo's deterministic document with `needle` after its middle paragraph."""
   parts = []
   for i in range(paragraphs):
