@@ -76,56 +76,67 @@ def _trimmed(cache: KVCache, trim: jax.Array) -> KVCache:
   return cache.replace(length=cache.length - trim, seen=cache.seen - trim)
 
 
-def turn_program(params, stack, tokens, turn_lengths, trim, key, sampler, *, config, plan,
-                 max_new_tokens, impl):
-  """A later turn's prompt over the state of the turn before (jit with the keywords static; the
-  state is not donated: the new one has other shapes, its capacity grown for the turn).
+def turn_states(params, states, tokens, turn_lengths, trim, *, config, plan, max_new_tokens,
+                impl="auto"):
+  """A later turn's prompt added to per-layer decode states (pure; jit with the keywords static).
 
   Args:
-    stack: the previous decode's final `llama.LayerStack`.
+    params: the model's parameters.
+    states: per layer, the decode state the turn before left (a tuple, as `llama.prefill`
+      makes it, or `llama.unstack_cache` of a `LayerStack`).
     tokens: `[B, T]` int32 the turn's right-padded ids; turn_lengths `[B]` valid ones.
     trim: `[B]` int32 tokens to drop from the end of every cache first (fed after an EOS).
-    key, sampler: sample the turn's first token with `fold_in(key, 0)`.
-    plan: this turn's plan (its context: the tokens so far + T, and max_new_tokens).
+    plan: this turn's plan; `max_new_tokens` the room its decode needs.
   Returns:
-    (first token `[B]`, the new `LayerStack` for `plan`, its position `[B]`, kept tokens per
-    layer and row `[N, B]`).
+    (fp32 logits `[B, V]` at the turn's last token, the new per-layer states (a tuple), the
+    position of the next token `[B]`, kept tokens per layer and row `[N, B]`).
   """
   method = methods.get(plan.method)
   dense = set(method.dense_layers(plan))
   sliding = config.window_layers
-  states, reads = [], []
-  for i, st in enumerate(llama.unstack_cache(stack)):
+  trimmed, reads = [], []
+  for i, st in enumerate(states):
     if i in sliding or not method.keeps_full_cache:
       st = _trimmed(st if i in sliding else method.view(st), trim)
       reads.append(st)
     else:  # RocketKV-MT: the full cache (its view is rebuilt by begin_turn)
       st = st.replace(full=_trimmed(st.full, trim))
       reads.append(st.full)
-    states.append(st)
-  params = compute_params(params)
-  _, ks, vs, qws, logits = llama.turn_prefill(params, reads, tokens, turn_lengths,
-                                              config=config, window=plan.window_size,
-                                              return_logits=True)
-  first = sampler(logits, jax.random.fold_in(key, 0))
+    trimmed.append(st)
+  _, ks, vs, qws, logits = llama.turn_prefill(compute_params(params), reads, tokens,
+                                              turn_lengths, config=config,
+                                              window=plan.window_size, return_logits=True)
   t = tokens.shape[1]
   new = []
-  for i, st in enumerate(states):
+  for i, st in enumerate(trimmed):
     k, v = ks[i].astype(reads[i].dtype), vs[i].astype(reads[i].dtype)
     if i in sliding:
       new.append(llama.window_extend(st, k, v, turn_lengths, config.sliding_window,
                                      max_new_tokens))
     elif method.keeps_full_cache:
       new.append(begin_turn(st, k, v, qws[i], plan, turn_lengths=turn_lengths, impl=impl))
-    else:
+    else:  # what it kept, grown, the turn appended, its stage-2 state rebuilt over it
       c = grow(st, max(plan.capacity, st.capacity + t + max_new_tokens),
                st.chunk_size if i in dense else plan.chunk_size)
       c = extend(c, k, v, turn_lengths)
       new.append(c if i in dense else plan.stage2.prefill(c, plan))
   view = llama.state_view(plan, config)
   kept = jnp.stack([view(s).length for s in new])
-  seen = reads[0].seen + turn_lengths
-  return first, llama.stack_cache(tuple(new), plan, sliding), seen, kept
+  return logits, tuple(new), reads[0].seen + turn_lengths, kept
+
+
+def turn_program(params, stack, tokens, turn_lengths, trim, key, sampler, *, config, plan,
+                 max_new_tokens, impl):
+  """`Conversation`'s turn (jit with the keywords static; the state is not donated: the new
+  one has other shapes, its capacity grown for the turn): `turn_states` over the previous
+  decode's final `llama.LayerStack`, and the turn's first token sampled with
+  `fold_in(key, 0)`. Returns (first token `[B]`, the new `LayerStack` for `plan`, its position
+  `[B]`, kept tokens per layer and row `[N, B]`)."""
+  logits, states, seen, kept = turn_states(
+      params, llama.unstack_cache(stack), tokens, turn_lengths, trim, config=config, plan=plan,
+      max_new_tokens=max_new_tokens, impl=impl)
+  first = sampler(logits, jax.random.fold_in(key, 0))
+  return first, llama.stack_cache(states, plan, config.window_layers), seen, kept
 
 
 class Conversation:

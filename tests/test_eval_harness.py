@@ -245,7 +245,7 @@ def test_runner_releases_its_programs_only_when_mappings_are_crowded(monkeypatch
 
 def test_prompt_format_resolves_and_rejects():
   """"auto" prompts in the chat template when the tokenizer has one, else in completion form
-  (a base model); multi-turn needs a template; unknown formats are refused before any run."""
+  (a base model), multi-turn included; unknown formats are refused before any run."""
   import types
 
   from rocketkv_jax.eval import harness, tasks
@@ -261,7 +261,37 @@ def test_prompt_format_resolves_and_rejects():
   assert harness.prompt_format(base_model, forced) == "chat"
   with pytest.raises(ValueError, match="prompt_format must be one of"):
     harness.SweepConfig(prompt_format="plain")
-  with pytest.raises(ValueError, match="multiturn"):
-    harness.SweepConfig(tasks=("multiturn",), prompt_format="completion")
-  with pytest.raises(ValueError, match="multiturn"):
-    harness.sweep_tokenizer(base_model, harness.SweepConfig(tasks=("multiturn",)))
+  # a conversation in completion form is one document (tasks.CompletionFormat)
+  mt = harness.SweepConfig(tasks=("multiturn",), prompt_format="completion")
+  assert isinstance(harness.sweep_tokenizer(base_model, mt), tasks.CompletionFormat)
+
+
+def test_multiturn_on_a_hybrid_model_in_completion_form():
+  """Tiny Gemma 3 (8-token sliding layers) with the byte tokenizer, prompted as a base model: a
+  turn goes through the sliding layers' windows, and full KV's turn 2 is `generate`'s answer
+  to the transcript as one prompt (question, ":", answer, blank line, next question, ":")."""
+  import dataclasses
+
+  import rocketkv_jax.models as M
+  from eval_fixtures import ByteTokenizer
+  from model_fixtures import gemma3_checkpoint
+
+  path, _ = gemma3_checkpoint()
+  model = M.load(path)
+  model.config = dataclasses.replace(model.config, max_position_embeddings=2048)
+  model.tokenizer = ByteTokenizer()
+  pad = 192
+  cfg = harness.SweepConfig(tasks=("multiturn",), context_lengths=(1024,), budgets=(64,),
+                            samples=1, max_new_tokens=5, turn_pad=pad, turns=2,
+                            prompt_format="completion", multiturn_methods=("full", "rocketkv_mt"))
+  recs = harness.run_sweep(model, cfg, progress=False)["records"]
+  by = {(r["task"], r["method"]): r for r in recs}
+  assert set(by) == {(f"multiturn_t{t}", m) for t in (1, 2) for m in ("full", "rocketkv_mt")}
+  comp = tasks.formatted(model.tokenizer, "completion")
+  s = tasks.make_sample(comp, "multiturn", 1024, 0, 0,
+                        target_tokens=harness.padded_len(model, 1024, 5 + 1 * (pad + 5)))
+  conv = tasks.prompt_ids(comp, s) + by[("multiturn_t1", "full")]["tokens"]
+  conv += comp.encode(turn_text(comp, s.questions[0]), add_special_tokens=False)
+  assert comp.decode(conv).endswith(s.questions[0] + ":")
+  ref = rocketkv.generate(model, [conv], method="full", max_new_tokens=5, eos_token_ids=(2,))
+  assert by[("multiturn_t2", "full")]["tokens"] == ref.tokens[0]

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from eval_fixtures import ByteTokenizer
+from rocketkv_jax.conversation import turn_text
 from rocketkv_jax.eval import longbench, metrics, report, tasks
 
 TOK = ByteTokenizer()
@@ -87,8 +88,8 @@ def test_answer_prefix_starts_the_assistant_turn():
 
 def test_completion_form_for_base_models():
   """prompt_format "completion": the message as a document, the answer prefix on a new line,
-  then ":" (niah_single: its own prefix, then ":"); the token target still holds; a multi-turn
-  conversation needs a chat template."""
+  then ":" (niah_single: its own prefix, then ":"); the token target still holds; a
+  conversation is one document (`CompletionFormat`)."""
   comp = tasks.formatted(TOK, "completion")
   assert tasks.formatted(TOK, "chat") is TOK
   for task in tasks.TASKS:
@@ -104,9 +105,16 @@ def test_completion_form_for_base_models():
       assert text == s.prompt + ":" and s.prompt.endswith("mentioned in the provided text is")
   assert (tasks.make_sample(comp, "passkey", 1500, 1).answers ==
           tasks.make_sample(TOK, "passkey", 1500, 1).answers)
-  with pytest.raises(ValueError, match="one user message"):
-    comp.apply_chat_template([{"role": "user", "content": "a"},
-                              {"role": "assistant", "content": "b"}])
+  # a conversation is one document: answer after the question's ":", next question after a
+  # blank line, ":" as the generation prompt
+  u = lambda c: {"role": "user", "content": c}
+  a = lambda c: {"role": "assistant", "content": c}
+  lone = comp.apply_chat_template([u("Q1")])
+  assert comp.apply_chat_template([u("Q1"), a(" 7"), u("Q2")]) == lone + ": 7\n\nQ2:"
+  assert comp.apply_chat_template([u("Q1"), a(" 7")], add_generation_prompt=False) == lone + ": 7"
+  assert turn_text(comp, "Q2") == "\n\nQ2:"
+  with pytest.raises(ValueError, match="alternating from a user one"):
+    comp.apply_chat_template([u("a"), u("b")])
   with pytest.raises(ValueError, match="prompt_format must be one of"):
     tasks.formatted(TOK, "plain")
 

@@ -16,17 +16,21 @@ A method may be an ablation variant, e.g. "rocketkv:chunk_size=1,r=64" (`variant
 
 Multi-turn ("multiturn" in tasks): batch 1, three questions on one context, for the methods of
 `multiturn_methods` among full / rocketkv / rocketkv_mt, or their variants (e.g.
-"rocketkv_mt:stage2=quant"):
+"rocketkv_mt:stage2=quant"). A later turn's prompt goes through `conversation.turn_states`,
+the step `rocketkv.Conversation` takes (dense over each layer's cache; a hybrid's sliding
+layers keep their window):
   * full: the whole conversation is kept (plan sized for every turn).
-  * rocketkv: stage 1 ran once, with the first question's window; later turn prompts are run
-    densely over the compressed cache and appended (`rocketkv.extend`), no re-prefill. Its
-    per-turn split (top_k, chunk_size, r) is the one rocketkv_mt uses for that turn, so the
-    two differ only in whether stage 1 is re-run. A stage-2 variant's summaries beside the
-    cache ("lowrank", "quant") are rebuilt over the grown cache after each turn's append
-    (`Stage2.prefill`, as after the first prefill: a turn's prompt is a prefill, so the
-    quant grid is fixed anew there); "minmax" / "rerank" read the bounds `extend` rebuilds.
-  * rocketkv_mt: the full cache is kept; later turn prompts are run densely over it and
-    `rocketkv.begin_turn` re-runs stage 1 with that turn's window queries.
+  * rocketkv: stage 1 ran once, with the first question's window; later turn prompts are
+    appended to the compressed cache, no re-prefill. Its per-turn split (top_k, chunk_size, r)
+    is the one rocketkv_mt uses for that turn, so the two differ only in whether stage 1 is
+    re-run. A stage-2 variant's summaries beside the cache ("lowrank", "quant") are rebuilt
+    over the grown cache after each turn's append (`Stage2.prefill`, as after the first
+    prefill: a turn's prompt is a prefill, so the quant grid is fixed anew there);
+    "minmax" / "rerank" read the bounds `extend` rebuilds.
+  * rocketkv_mt: the full cache is kept; `rocketkv.begin_turn` re-runs stage 1 on it with that
+    turn's window queries.
+In completion form (base models) a turn is "\n\n" + its question + ":" after the answer
+(`tasks.CompletionFormat`).
 Each turn's answer is scored on its own (task names multiturn_t1, multiturn_t2, ...).
 
 Teacher-forced gold score (`gold_score`, on by default): in a program of its own, run just
@@ -60,7 +64,6 @@ from rocketkv_jax import methods as methods_lib
 from rocketkv_jax.conversation import turn_text
 from rocketkv_jax.eval import longbench, tasks as tasks_lib, variants
 from rocketkv_jax.eval.runner import Runner, as_cache, layer_states
-from rocketkv_jax.methods.stage2 import cache_of
 
 DEFAULT_METHODS = ("full", "exact_topk", "rocketkv", "snapkv", "quest", "sparq", "streamingllm")
 MT_METHODS = ("full", "rocketkv", "rocketkv_mt")
@@ -116,9 +119,6 @@ class SweepConfig:
     if self.prompt_format not in tasks_lib.PROMPT_FORMATS + ("auto",):
       raise ValueError(f"prompt_format must be one of {tasks_lib.PROMPT_FORMATS + ('auto',)}, "
                        f"got {self.prompt_format!r}")
-    if self.prompt_format == "completion" and tasks_lib.MULTITURN_TASK in self.tasks:
-      raise ValueError("tasks: 'multiturn' needs a chat template; it cannot run with "
-                       "prompt_format='completion'")
 
 
 def prompt_format(model, cfg: SweepConfig) -> str:
@@ -132,12 +132,6 @@ def prompt_format(model, cfg: SweepConfig) -> str:
 def sweep_tokenizer(model, cfg: SweepConfig):
   """The model's tokenizer, wrapped for completion form where the sweep prompts in it."""
   fmt = prompt_format(model, cfg)
-  if tasks_lib.MULTITURN_TASK in cfg.tasks and model.config.window_layers:
-    raise ValueError("tasks: 'multiturn' runs on models without hybrid sliding layers; on "
-                     "Gemma 3 use rocketkv.Conversation")
-  if fmt == "completion" and tasks_lib.MULTITURN_TASK in cfg.tasks:
-    raise ValueError("tasks: 'multiturn' needs a chat template, and this model's tokenizer has "
-                     "none")
   return tasks_lib.formatted(model.tokenizer, fmt)
 
 
@@ -205,31 +199,6 @@ def _plan_dict(plan) -> dict:
   if plan.stage2 is not None:
     d.update(stage2=plan.stage2.name, **plan.stage2.record())
   return d
-
-
-# --------------------------------------------------------------------------- multi-turn helpers
-@jax.jit
-def _extend_all(states, kt, vt, tl):
-  return [rocketkv.extend(s, kt[i], vt[i], tl) for i, s in enumerate(states)]
-
-
-@functools.partial(jax.jit, static_argnames=("capacities", "chunk_sizes"))
-def _grow_all(states, *, capacities, chunk_sizes):
-  from rocketkv_jax.cache import grow
-
-  return [grow(s, c, chunk_size=cs) for s, c, cs in zip(states, capacities, chunk_sizes)]
-
-
-@functools.partial(jax.jit, static_argnames=("plan", "dense"))
-def _attach_all(caches, *, plan, dense):
-  """Each non-dense layer's stage-2 state of `plan` over its (grown, extended) cache."""
-  return [c if i in dense else plan.stage2.prefill(c, plan) for i, c in enumerate(caches)]
-
-
-@functools.partial(jax.jit, static_argnames=("plan",))
-def _begin_all(states, kt, vt, qw, tl, *, plan):
-  return [rocketkv.begin_turn(s, kt[i], vt[i], qw[i], plan, turn_lengths=tl)
-          for i, s in enumerate(states)]
 
 
 # --------------------------------------------------------------------------- sweep
@@ -439,7 +408,7 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar, ski
     if unit(s.index) in skip:  # an interrupted run's, resumed
       bar.update(1 + len(decode_configs(cfg, cfg.multiturn_methods)))
       continue
-    ids = tasks_lib.chat_ids(tok, s.prompt)
+    ids = tasks_lib.prompt_ids(tok, s)  # completion form: ends with the answer lead
     if len(ids) > p:
       raise ValueError(f"multiturn: prompt has {len(ids)} > {p} tokens")
     tokens = np.zeros((1, p), np.int32)
@@ -453,7 +422,6 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar, ski
       t0 = time.perf_counter()
       b = budget if budget is not None else max(cfg.budgets)
       method_obj = methods_lib.get(variants.base_method(method))
-      mt = method_obj.keeps_full_cache
       per_turn = method_obj.replan_per_turn  # rocketkv and rocketkv_mt: same split per turn
       plan = runner.plan(method, b, p, mn if per_turn else rest)
       plans[f"multiturn/{method}/{budget}/{p}+{plan.max_new_tokens}"] = _plan_dict(plan)
@@ -474,33 +442,13 @@ def _run_multiturn(runner, tok, cfg, ss, mn, p, records, plans, timing, bar, ski
           tt = np.zeros((1, tpad), np.int32)
           tt[0, :len(tids)] = tids
           tl = np.array([len(tids)], np.int32)
-          states = layer_states(runner.model.params, cache)
-          if mt:
-            first, kt, vt, qw, logits = runner.turn_prefill([st.full for st in states], tt, tl,
-                                                            return_logits=True)
+          tplan = plan
+          if per_turn:  # rocketkv_mt re-runs stage 1 with it; rocketkv only reads its split
             tplan = runner.plan(method, b, p + t * (tpad + mn), mn)
             plans[f"multiturn/{method}/{budget}/turn{t + 1}"] = _plan_dict(tplan)
-            states = _begin_all(states, kt, vt, qw, jax.numpy.asarray(tl), plan=tplan)
-            seen = states[0].full.seen
-          else:
-            states = [cache_of(st) for st in states]  # the KVCaches (stage-2 states rebuilt below)
-            first, kt, vt, qw, logits = runner.turn_prefill(states, tt, tl, return_logits=True)
-            tplan = plan
-            if per_turn:
-              # rocketkv: no stage 1 again; the cache grows and the turn's split (top_k,
-              # chunk_size, r) is the one rocketkv_mt uses for this turn.
-              tplan = runner.plan(method, b, p + t * (tpad + mn), mn)
-              plans[f"multiturn/{method}/{budget}/turn{t + 1}"] = _plan_dict(tplan)
-              # A dense layer (skip_layers) keeps its whole cache and no chunk summaries.
-              dense = method_obj.dense_layers(tplan)
-              states = _grow_all(
-                  states, capacities=tuple(max(tplan.capacity, st.capacity + tpad + mn)
-                                           for st in states),
-                  chunk_sizes=tuple(st.chunk_size if i in dense else tplan.chunk_size
-                                    for i, st in enumerate(states)))
-            states = _extend_all(states, kt, vt, jax.numpy.asarray(tl))
-            seen = states[0].seen
-            states = _attach_all(states, plan=tplan, dense=tuple(method_obj.dense_layers(tplan)))
+          logits, states, seen = runner.next_turn(layer_states(runner.model.params, cache), tt,
+                                                  tl, tplan, mn)
+          first = jax.numpy.argmax(logits, axis=-1).astype(jax.numpy.int32)
           tcache = as_cache(runner.model.params, states)
           if golds[t]:  # from the state this turn decodes from, before the decode
             forced = runner.continue_gold(tcache, logits, seen, tplan, golds[t][0])

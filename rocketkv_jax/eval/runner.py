@@ -28,10 +28,10 @@ The first generated token is the argmax of the prompt pass's last-token logits, 
 same for every method (every method attends densely while reading the prompt), exactly as in
 `rocketkv.generate`; later tokens are fed back with `positions = seen + step - 1`.
 
-Multi-turn (`turn_prefill`, `models.llama.turn_prefill`): a later turn's prompt tokens are run
-densely (full attention over the valid slots of the given per-layer KV caches, causal inside the
-turn), which returns that turn's keys / values / last-W queries; the caller appends them
-(`rocketkv.extend`) or re-runs stage 1 (`rocketkv.begin_turn`, RocketKV-MT).
+Multi-turn (`next_turn`: `conversation.turn_states`, the step `rocketkv.Conversation` takes): a
+later turn's prompt tokens are run densely (full attention over the valid slots of each layer's
+cache, causal inside the turn) and added to the state: appended (`rocketkv.extend`), or stage 1
+re-run on the full cache (`rocketkv.begin_turn`, RocketKV-MT).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import numpy as np
 
 import rocketkv_jax as rocketkv
 from rocketkv_jax import cache as cache_lib
-from rocketkv_jax import decode_loop, sampling, teacher_forced
+from rocketkv_jax import conversation, decode_loop, sampling, teacher_forced
 from rocketkv_jax import methods as methods_lib
 from rocketkv_jax.config import check_num_layers
 from rocketkv_jax.eval import variants
@@ -287,7 +287,8 @@ def _continue_gold(params, cache, first_logits, seen, ids, *, config, plan):
   return lp, am
 
 
-_turn_prefill = jax.jit(llama.turn_prefill, static_argnames=("config", "window", "return_logits"))
+_next_turn = jax.jit(conversation.turn_states,
+                     static_argnames=("config", "plan", "max_new_tokens", "impl"))
 
 
 # --------------------------------------------------------------------------- user API
@@ -506,17 +507,22 @@ class Runner:
   def continue_gold(self, cache, first_logits, seen, plan, gold) -> tuple:
     """Teacher-forces `gold [B, G]` int32 from an existing cache (multi-turn), as `decode(gold=)`
     does from a prompt pass: (log-probs, is-argmax), each `[B, G]` numpy. `first_logits`: the
-    `[B, V]` logits that predict gold[:, 0] (`turn_prefill(..., return_logits=True)`)."""
+    `[B, V]` logits that predict gold[:, 0] (`next_turn`'s)."""
     lp, am = _continue_gold(self.model.params, cache, first_logits, seen,
                             jnp.asarray(gold, jnp.int32), config=self.config, plan=plan)
     return np.asarray(lp), np.asarray(am)
 
-  def turn_prefill(self, caches: list, tokens: np.ndarray, turn_lengths: np.ndarray, *,
-                   return_logits: bool = False):
-    """Dense pass of a later turn's tokens over per-layer `KVCache`s (see module doc)."""
-    return _turn_prefill(self.model.params, list(caches), jnp.asarray(tokens, jnp.int32),
-                         jnp.asarray(turn_lengths, jnp.int32), config=self.config,
-                         window=self.window_size, return_logits=return_logits)
+  def next_turn(self, states, tokens: np.ndarray, turn_lengths: np.ndarray, plan,
+                max_new_tokens: int):
+    """A later turn's prompt added to the per-layer states (`conversation.turn_states`, batch
+    rows none of which stopped early): (logits `[B, V]` at its last token, the new states,
+    the next token's position `[B]`)."""
+    b = tokens.shape[0]
+    logits, states, seen, _ = _next_turn(
+        self.model.params, tuple(states), jnp.asarray(tokens, jnp.int32),
+        jnp.asarray(turn_lengths, jnp.int32), jnp.zeros((b,), jnp.int32), config=self.config,
+        plan=plan, max_new_tokens=max_new_tokens)
+    return logits, list(states), seen
 
 
 def layer_states(params, cache) -> list:

@@ -159,12 +159,15 @@ class CompletionFormat:
   text is:"), after which the base model writes the answer rather than more prose (`answer_tail`;
   checked with full KV only, docs/evaluation.md).
 
-  Multi-turn conversations need a real template: `apply_chat_template` with more than one
-  message raises ValueError.
+  A conversation (user and assistant messages alternating, from a user one) is one document:
+  each answer follows the ":" that ends its question, and the next question starts after a
+  blank line; the generation prompt of a conversation is that ":" (one message alone gets it
+  from `answer_tail`, as before conversations were supported).
   """
 
   prefix_separator = "\n"  # between the message and an answer prefix (chat: the template's)
   answer_lead = ":"  # ends every prompt: a base model then writes the answer, not more prose
+  turn_separator = "\n\n"  # between an answer and the next question
 
   def __init__(self, tokenizer):
     self.tokenizer = tokenizer
@@ -173,12 +176,19 @@ class CompletionFormat:
     return getattr(self.tokenizer, name)
 
   def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-    if len(messages) != 1 or messages[0]["role"] != "user":
-      raise ValueError("prompt_format='completion' formats one user message; multi-turn tasks "
-                       "need a chat template (prompt_format='chat')")
+    roles = [m["role"] for m in messages]
+    if not roles or roles != [("user", "assistant")[i % 2] for i in range(len(roles))]:
+      raise ValueError("prompt_format='completion' formats user and assistant messages "
+                       f"alternating from a user one, got roles {roles}")
     bos = getattr(self.tokenizer, "bos_token", None) if getattr(
         self.tokenizer, "add_bos", False) else None
-    return (bos or "") + messages[0]["content"]
+    text = (bos or "") + messages[0]["content"]
+    for m in messages[1:]:
+      sep = self.answer_lead if m["role"] == "assistant" else self.turn_separator
+      text += sep + m["content"]
+    if add_generation_prompt and len(messages) > 1 and roles[-1] == "user":
+      text += self.answer_lead
+    return text
 
 
 def formatted(tokenizer, prompt_format: str):
