@@ -158,12 +158,3 @@ def test_errors():
   res = conv.send([[3], [4, 5]])  # the failed calls left the conversation as it was
   assert res.stats["turn"] == 2 and conv.context_lengths == [3 + 4 + 1 + 4, 2 + 4 + 2 + 4]
 
-
-def test_the_sweeps_multiturn_task_points_hybrid_models_here():
-  from rocketkv_jax.eval import harness
-
-  path, _ = _checkpoint("gemma3")
-  cfg = harness.SweepConfig(tasks=("multiturn",), context_lengths=(64,), budgets=(64,),
-                            samples=1)
-  with pytest.raises(ValueError, match="hybrid sliding layers; on Gemma 3 use"):
-    harness.sweep_tokenizer(M.load(path), cfg)
