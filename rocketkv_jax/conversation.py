@@ -33,9 +33,8 @@ Decisions where the paper is silent:
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp

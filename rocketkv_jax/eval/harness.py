@@ -59,7 +59,6 @@ from typing import Any
 import jax
 import numpy as np
 
-import rocketkv_jax as rocketkv
 from rocketkv_jax import methods as methods_lib
 from rocketkv_jax.conversation import turn_text
 from rocketkv_jax.eval import longbench, tasks as tasks_lib, variants
