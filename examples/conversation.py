@@ -12,14 +12,13 @@ holds the hidden fact (docs/generation.md, "Conversations").
     python examples/conversation.py --quick --methods rocketkv_mt     # what CI runs
 
 --methods takes method names and variant specs (`NAME:field=value,...`, as examples/evaluate.py),
-and `recommended_mt`: `RocketConfig.recommended(B)` with method "rocketkv_mt". User errors print
+and `recommended_mt`: `RocketConfig.recommended(B, method="rocketkv_mt")`. User errors print
 one line (`error: ...`) and exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import generate as generate_demo  # examples/generate.py: the demo document
@@ -45,7 +44,7 @@ def document(paragraphs: int) -> str:
 def rocket_config(spec: str, budget: int) -> rocketkv.RocketConfig:
   """A --methods entry as a RocketConfig (ValueError on a bad spec)."""
   if spec == "recommended_mt":
-    return dataclasses.replace(rocketkv.RocketConfig.recommended(budget), method="rocketkv_mt")
+    return rocketkv.RocketConfig.recommended(budget, method="rocketkv_mt")
   return variants.rocket_config(spec, budget)
 
 

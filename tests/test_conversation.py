@@ -4,8 +4,6 @@ with a 12-token window, Gemma 3 with 8-token sliding layers; ragged rows, one of
 at an EOS while the other goes on), and with a budget above the conversation every method that
 takes turns gives those tokens too."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -87,7 +85,7 @@ def test_every_method_with_a_budget_above_the_conversation_gives_full_kv(spec):
   turn path of each method (stage 1 re-run, append, stage-2 state rebuilt) is exact."""
   path, ref = _checkpoint("gemma3")
   if spec == "recommended_mt":
-    cfg = dataclasses.replace(rocketkv.RocketConfig.recommended(256), method="rocketkv_mt")
+    cfg = rocketkv.RocketConfig.recommended(256, method="rocketkv_mt")
   else:
     cfg = rocketkv.RocketConfig(token_budget=256, method=spec)
   conv = rocketkv.Conversation(M.load(path), rocket_config=cfg, max_new_tokens=NEW,
