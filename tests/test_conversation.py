@@ -156,3 +156,13 @@ def test_errors():
   res = conv.send([[3], [4, 5]])  # the failed calls left the conversation as it was
   assert res.stats["turn"] == 2 and conv.context_lengths == [3 + 4 + 1 + 4, 2 + 4 + 2 + 4]
 
+
+
+def test_stream_sees_every_turn():
+  path, _ = _checkpoint("llama31")
+  conv = rocketkv.Conversation(M.load(path), method="rocketkv_mt", max_new_tokens=4,
+                               eos_token_ids=())
+  for messages in ([[5, 6, 7]], [[8, 9]]):
+    got = []
+    res = conv.send(messages, stream=lambda step, t, done: got.append((int(step), int(t[0]))))
+    assert got == list(enumerate(res.tokens[0]))
