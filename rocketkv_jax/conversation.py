@@ -44,8 +44,8 @@ from rocketkv_jax import decode_loop, methods
 from rocketkv_jax.cache import KVCache, extend, grow
 from rocketkv_jax.config import RocketConfig, check_num_layers
 from rocketkv_jax.config import plan as make_plan
-from rocketkv_jax.generate import (PROGRAMS, GenerationResult, ProgramCache, _decode, _prepare,
-                                   _Progress, _run, _stats)
+from rocketkv_jax.generate import (PROGRAMS, GenerationResult, ProgramCache, _decode,
+                                   _peak_bytes, _prepare, _Progress, _prompt_list, _run, _stats)
 from rocketkv_jax.models import llama
 from rocketkv_jax.models import sharding as sharding_lib
 from rocketkv_jax.models.api import as_model
@@ -221,9 +221,7 @@ class Conversation:
 
   def _turn_ids(self, messages) -> list[list[int]]:
     n = len(self._seen)
-    if isinstance(messages, (str, np.ndarray)) or (
-        isinstance(messages, Sequence) and messages and isinstance(messages[0], (int, np.integer))):
-      messages = [messages]
+    messages = _prompt_list(messages)
     if not isinstance(messages, Sequence) or len(messages) != n:
       raise ValueError(f"messages must hold one message per conversation ({n}), got "
                        f"{len(messages) if isinstance(messages, Sequence) else messages!r}")
@@ -262,7 +260,7 @@ class Conversation:
     key = jax.random.fold_in(key0, self.turn)
     args = (params, self._stack, jnp.asarray(tokens), jnp.asarray(lengths),
             jnp.asarray(self._trim), key, sampler)
-    self._stack = None  # donated
+    self._stack = None  # the turn program returns the new state; `args` holds the old one
     say = _Progress(verbose)
     say.start("compiling turn")
     exe, turn_compile = self.programs.get(
@@ -273,6 +271,7 @@ class Conversation:
     say.start(f"turn prompt of {int(lengths.sum())} tokens")
     t0 = time.perf_counter()
     first, stack, seen, kept = exe(*args)
+    del args  # the previous state: freed before the decode, not held beside the new one
     first.block_until_ready()
     turn_s = time.perf_counter() - t0
     say.done(turn_s)
@@ -297,5 +296,5 @@ class Conversation:
         kv_tokens_kept_per_row=[round(float(x)) for x in kept.mean(0)],
         kv_tokens_kept_per_layer=[round(float(x)) for x in kept.mean(1)],
         capacity=plan.capacity, plan=plan, kv_cache_bytes=int(kv_bytes),
-        peak_bytes=max(dec.peak_bytes, 0))
+        peak_bytes=max(_peak_bytes(exe), dec.peak_bytes))
     return result

@@ -255,12 +255,16 @@ class _Progress:
 
 
 # --------------------------------------------------------------------------- inputs
-def _encode_prompts(model, prompts, chat: bool) -> list[list[int]]:
+def _prompt_list(prompts):
+  """One prompt (a string, token ids) as a list of one; a list of prompts as it is."""
   if isinstance(prompts, (str, np.ndarray)) or (
       isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))):
-    prompts = [prompts]
-  if isinstance(prompts, np.ndarray):
-    prompts = list(prompts)
+    return [prompts]
+  return prompts
+
+
+def _encode_prompts(model, prompts, chat: bool) -> list[list[int]]:
+  prompts = _prompt_list(prompts)
   if not isinstance(prompts, Sequence) or len(prompts) == 0:
     raise ValueError("prompts must be a non-empty string, list of strings, or token id lists")
   out = []
