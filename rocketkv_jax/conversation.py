@@ -28,7 +28,10 @@ Decisions where the paper is silent:
     `turn_pad` tokens.
   * A hybrid's sliding layers (Gemma 3) keep their window: `llama.window_extend`.
   * Methods: every registered method whose state can take a turn (`Method.takes_turns`; the
-    `exact_topp` oracle's per-decode counters cannot). One device: a model on a mesh raises.
+    `exact_topp` oracle's per-decode counters cannot).
+  * A model on a mesh runs as `generate` does: the batch over "dp" (padded to a multiple of it
+    with copies of the last conversation, whose answers are dropped), KV heads over "tp",
+    several processes calling `send` with the same messages (SPMD).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from rocketkv_jax import decode_loop, methods
 from rocketkv_jax.cache import KVCache, extend, grow
 from rocketkv_jax.config import RocketConfig, check_num_layers
 from rocketkv_jax.config import plan as make_plan
-from rocketkv_jax.generate import (PROGRAMS, GenerationResult, ProgramCache, _decode,
+from rocketkv_jax.generate import (PROGRAMS, GenerationResult, ProgramCache, _decode, _host_out,
                                    _peak_bytes, _prepare, _Progress, _prompt_list, _run, _stats)
 from rocketkv_jax.models import llama
 from rocketkv_jax.models import sharding as sharding_lib
@@ -125,17 +128,19 @@ def turn_states(params, states, tokens, turn_lengths, trim, *, config, plan, max
 
 
 def turn_program(params, stack, tokens, turn_lengths, trim, key, sampler, *, config, plan,
-                 max_new_tokens, impl):
+                 max_new_tokens, impl, out_sharding=None):
   """`Conversation`'s turn (jit with the keywords static; the state is not donated: the new
   one has other shapes, its capacity grown for the turn): `turn_states` over the previous
   decode's final `llama.LayerStack`, and the turn's first token sampled with
   `fold_in(key, 0)`. Returns (first token `[B]`, the new `LayerStack` for `plan`, its position
-  `[B]`, kept tokens per layer and row `[N, B]`)."""
+  `[B]`, kept tokens per layer and row `[N, B]`; the last two replicated on `out_sharding`'s
+  mesh, for the host)."""
   logits, states, seen, kept = turn_states(
       params, llama.unstack_cache(stack), tokens, turn_lengths, trim, config=config, plan=plan,
       max_new_tokens=max_new_tokens, impl=impl)
   first = sampler(logits, jax.random.fold_in(key, 0))
-  return first, llama.stack_cache(states, plan, config.window_layers), seen, kept
+  return (first, llama.stack_cache(states, plan, config.window_layers),
+          _host_out(seen, out_sharding), _host_out(kept, out_sharding))
 
 
 class Conversation:
@@ -160,8 +165,6 @@ class Conversation:
     if not isinstance(turn_pad, int) or isinstance(turn_pad, bool) or turn_pad < 1:
       raise ValueError(f"turn_pad must be an int >= 1, got {turn_pad!r}")
     self.model = as_model(model)
-    if sharding_lib.mesh_of(self.model.params) is not None:
-      raise ValueError("model: a Conversation runs on one device; load the model without a mesh")
     self.rocket_config = rocket_config or RocketConfig(token_budget=token_budget, method=method)
     self._generate_args = dict(
         method=method, token_budget=token_budget, max_new_tokens=max_new_tokens,
@@ -175,7 +178,7 @@ class Conversation:
     self.turn_pad = turn_pad
     self.turn = 0  # turns sent so far
     self._inp = None  # turn 1's checked inputs (sampler, key, eos)
-    self._stack = None  # the last decode's final LayerStack
+    self._stack = None  # the last decode's final LayerStack ("dp" padding rows included)
     self._seen = None  # [n] tokens in each row's cache
     self._trim = None  # [n] tokens fed after each row's EOS, dropped at the next turn
     self._carry = None  # per row, answer tokens not yet in its cache (0 or 1)
@@ -253,20 +256,32 @@ class Conversation:
           f"{config.max_position_embeddings} tokens")
     plan = make_plan(self.rocket_config, context, self.max_new_tokens, config.head_dim)
     check_num_layers(plan, config.num_layers)
-    tokens = np.zeros((n, t), np.int32)
-    for b, row in enumerate(ids):
+    # the programs' rows: a mesh's "dp" padding repeats the last conversation (its cache holds
+    # that conversation's tokens at the same positions, so its lengths and trim fit it too)
+    pad = [n - 1] * (inp.rows - n)
+    tokens = np.zeros((inp.rows, t), np.int32)
+    for b, row in enumerate(ids + [ids[-1]] * len(pad)):
       tokens[b, :len(row)] = row
-    params, _, _, key0, sampler = inp.prefill_args
-    key = jax.random.fold_in(key0, self.turn)
-    args = (params, self._stack, jnp.asarray(tokens), jnp.asarray(lengths),
-            jnp.asarray(self._trim), key, sampler)
+    lengths_all, trim = lengths[list(range(n)) + pad], self._trim[list(range(n)) + pad]
+    params, _, _, _, sampler = inp.prefill_args
+    key = np.asarray(jax.random.fold_in(jax.random.PRNGKey(self._generate_args["seed"]),
+                                        self.turn))
+    if inp.out_sharding is None:
+      host = [jnp.asarray(x) for x in (tokens, lengths_all, trim, key)]
+    else:  # global arrays, as generate's: the batch over "dp", the key replicated
+      mesh = inp.out_sharding.mesh
+      host = [sharding_lib.global_array(x, sharding_lib.batch_sharding(mesh, x.ndim))
+              for x in (tokens, lengths_all, trim)]
+      host.append(sharding_lib.global_array(key, inp.out_sharding))
+    args = (params, self._stack, *host, sampler)
+    key = args[5]
     self._stack = None  # the turn program returns the new state; `args` holds the old one
     say = _Progress(verbose)
     say.start("compiling turn")
     exe, turn_compile = self.programs.get(
         "turn", turn_program,
-        dict(config=config, plan=plan, max_new_tokens=self.max_new_tokens, impl=self.impl),
-        (), args)
+        dict(config=config, plan=plan, max_new_tokens=self.max_new_tokens, impl=self.impl,
+             out_sharding=inp.out_sharding), (), args)
     say.done(turn_compile)
     say.start(f"turn prompt of {int(lengths.sum())} tokens")
     t0 = time.perf_counter()
@@ -275,15 +290,17 @@ class Conversation:
     first.block_until_ready()
     turn_s = time.perf_counter() - t0
     say.done(turn_s)
-    kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(stack))
+    # the caller's rows only (every row's state has the same size): not the "dp" padding
+    kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(stack)) * n // inp.rows
     dec = _decode(self.model, plan, (params, stack, first, seen, key, sampler, inp.eos),
-                  programs=self.programs, stream=stream, impl=self.impl, say=say, n=n, rows=n,
-                  max_new_tokens=self.max_new_tokens, out_sharding=None)
+                  programs=self.programs, stream=stream, impl=self.impl, say=say, n=n,
+                  rows=inp.rows, max_new_tokens=self.max_new_tokens,
+                  out_sharding=inp.out_sharding)
     if dec.overflow.any():
       raise RuntimeError(f"KV cache overflow for batch rows {np.nonzero(dec.overflow.any(0))[0]}"
                          f" in turn {self.turn + 1} (capacity {plan.capacity})")
-    result = self._finish(dec.tokens, dec.steps, dec.cache, np.asarray(seen))
-    kept = np.asarray(kept).astype(np.float64)
+    result = self._finish(dec.tokens, dec.steps, dec.cache, np.asarray(seen)[:n])
+    kept = np.asarray(kept)[:, :n].astype(np.float64)
     steps = dec.steps
     result.stats.update(
         method=plan.method, token_budget=plan.token_budget, batch=n,

@@ -1,7 +1,7 @@
 """Multi-process generation with JAX's distributed runtime: 2 local processes x 2 CPU devices
 (gloo collectives) on a ("dp", "tp") = (2, 2) mesh give every process the same tokens as one
-device in this process, for a ragged batch of 4 prompts with RocketKV and full KV, and the
-same `Model.logits`.
+device in this process, for a ragged batch of 4 prompts with RocketKV and full KV and for a
+two-turn RocketKV-MT `Conversation`, and the same `Model.logits`.
 
 Each child runs the same program (SPMD): `distributed.initialize`, `make_mesh(tp=2, dp=2)`,
 `models.load(path, mesh=...)`, `rocketkv.generate(...)`. The checkpoint is written here with
@@ -27,6 +27,8 @@ TIMEOUT_S = 900
 METHODS = ("rocketkv", "full")
 GEN = dict(token_budget=32, max_new_tokens=12, eos_token_ids=())
 LENGTHS = (48, 33, 40, 21)  # ragged: each dp shard holds a long and a short prompt
+CONV = dict(method="rocketkv_mt", token_budget=32, max_new_tokens=6, eos_token_ids=(),
+            turn_pad=8)
 
 _CHILD = textwrap.dedent("""
     import json, sys
@@ -43,10 +45,13 @@ _CHILD = textwrap.dedent("""
     wk = model.params["layers"][0]["wk"]  # [64, 4 KV heads x 8]: 2 KV heads per device
     assert wk.shape == (64, 32) and not wk.is_fully_addressable
     assert [s.data.shape for s in wk.addressable_shards] == [(64, 16), (64, 16)]
+    turns = lambda prompts: [prompts, [p[-5:] for p in prompts]]
     out = {{}}
     for method in {methods!r}:
       res = rocketkv.generate(model, json.loads(prompts), method=method, **{gen!r})
       out[method] = res.tokens
+    conv = rocketkv.Conversation(model, **{conv!r})  # two turns over one KV state
+    out["conversation"] = [conv.send(m).tokens for m in turns(json.loads(prompts))]
     logits = model.logits([p[:{short}] for p in json.loads(prompts)])  # replicated: readable
     out["logits"] = np.asarray(logits).tolist()
     print("TOKENS " + json.dumps(out), flush=True)
@@ -94,7 +99,7 @@ def _start_processes(path: str, prompts, logs: str) -> list[subprocess.Popen]:
   coordinator = f"127.0.0.1:{_free_port()}"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-  script = _CHILD.format(methods=METHODS, gen=GEN, short=min(LENGTHS))
+  script = _CHILD.format(methods=METHODS, gen=GEN, short=min(LENGTHS), conv=CONV)
   procs = []
   for i in range(2):
     with open(os.path.join(logs, f"out{i}"), "w") as out, \
@@ -143,11 +148,15 @@ def test_two_processes_dp2_tp2_match_one_device(tmp_path):
   try:  # the reference runs while the children start: one device, no mesh
     single = rocketkv.models.load(path)
     want = {m: rocketkv.generate(single, prompts, method=m, **GEN).tokens for m in METHODS}
+    conv = rocketkv.Conversation(single, **CONV)
+    want["conversation"] = [conv.send(m).tokens for m in (prompts, [p[-5:] for p in prompts])]
     logits = np.asarray(single.logits([p[:min(LENGTHS)] for p in prompts]))
   finally:
     per_process = _wait(procs, str(tmp_path), deadline)
-  for method in METHODS:
-    assert [len(t) for t in want[method]] == [GEN["max_new_tokens"]] * len(prompts)
+  assert [[len(t) for t in turn] for turn in want["conversation"]] == [[6] * len(prompts)] * 2
+  for method in METHODS + ("conversation",):
+    if method != "conversation":
+      assert [len(t) for t in want[method]] == [GEN["max_new_tokens"]] * len(prompts)
     for i, got in enumerate(per_process):
       assert got[method] == want[method], (method, i, got[method], want[method])
   for got in per_process:  # Model.logits on the mesh: the batch over dp, heads over tp
