@@ -49,6 +49,8 @@ def check_lengths(lengths: Any, batch: int, length: int) -> None:
   not checked here: `rocketkv.prefill` clamps them to [1, L] instead (documented there)."""
   import jax
   import numpy as np
+  if not hasattr(lengths, "shape"):  # a list or tuple: as the array it becomes
+    lengths = np.asarray(lengths)
   require(getattr(lengths, "shape", None) == (batch,),
           f"lengths must have shape [B]={(batch,)}, got {getattr(lengths, 'shape', None)}")
   require_int_array("lengths", lengths)

@@ -127,7 +127,7 @@ def prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
     q_window: [B, Hq, W, D] post-RoPE queries of the last W *valid* prompt tokens of each
       row, W = min(plan.window_size, L) (ValueError otherwise): `last_valid_window(q, lengths,
       plan.window_size)`. Only methods with stage 1 read them.
-    plan: from `rocketkv.plan`.
+    plan: from `rocketkv.plan`, for a `prompt_len` >= L (ValueError otherwise).
     lengths: [B] valid prompt lengths (None: all L), integers in [1, L]. Checked (ValueError)
       when concrete; a traced `lengths` (inside `jax.jit`) is not read on the host: values
       outside [1, L] are clamped to it.
@@ -145,6 +145,9 @@ def prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
   w, l = q_window.shape[2], k.shape[2]
   require(w == min(plan.window_size, l), f"q_window length W={w} must equal "
           f"min(plan.window_size, L) = {min(plan.window_size, l)} (the last W valid queries)")
+  # a plan for a shorter prompt would keep its prompt_budget of a longer one, unasked
+  require(l <= plan.prompt_len, f"k: prompt length L={l} must be <= plan.prompt_len="
+          f"{plan.prompt_len} (plan for the padded prompt length)")
   _impl.check(impl)
   method = methods.get(plan.method)
   if lengths is not None:  # concrete values were checked above; traced ones are clamped

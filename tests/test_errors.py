@@ -68,6 +68,11 @@ def test_prefill_errors():
     rocketkv.prefill(k, v, qw, PLAN, lengths=jnp.array([3, 4]))
   with pytest.raises(ValueError, match="plan must be a Plan"):
     rocketkv.prefill(k, v, qw, CFG)
+  with pytest.raises(ValueError, match="L=64 must be <= plan.prompt_len=50"):
+    # a plan for a shorter prompt (here: keep all 50) would keep 50 of these 64 tokens
+    rocketkv.prefill(k, v, qw, rocketkv.plan(rocketkv.RocketConfig(64, window_size=8), 50, 4, 16))
+  with pytest.raises(ValueError, match=r"lengths must be in \[1, L=64\], got \[65\]"):
+    rocketkv.prefill(k, v, qw, PLAN, lengths=[65])  # a list is read as an array
   with pytest.raises(ValueError, match="impl must be one of"):
     rocketkv.evict(k, v, qw, PLAN, impl="cuda")
 
