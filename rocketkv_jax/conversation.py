@@ -48,7 +48,8 @@ from rocketkv_jax.cache import KVCache, extend, grow
 from rocketkv_jax.config import RocketConfig, check_num_layers
 from rocketkv_jax.config import plan as make_plan
 from rocketkv_jax.generate import (PROGRAMS, GenerationResult, ProgramCache, _decode, _host_out,
-                                   _peak_bytes, _prepare, _Progress, _prompt_list, _run, _stats)
+                                   _kv_stats, _peak_bytes, _prepare, _Progress, _prompt_list,
+                                   _run, _stats, check_args, token_ids)
 from rocketkv_jax.models import llama
 from rocketkv_jax.models import sharding as sharding_lib
 from rocketkv_jax.models.api import as_model
@@ -148,8 +149,10 @@ class Conversation:
 
   Every argument is `rocketkv.generate`'s, fixed for the whole conversation, plus `turn_pad`
   (later turns' prompts are padded to a multiple of it). `send` takes one message per
-  conversation (the first fixes the batch) and returns a `GenerationResult`; its stats add
-  `turn` and `context_lengths` (each row's tokens before this turn's answer).
+  conversation (the first fixes the batch) and returns a `GenerationResult` with `generate`'s
+  stats, plus `turn` and `context_lengths` (each row's tokens before this turn's answer); a
+  later turn's `prompt_lengths` (also `turn_tokens`) count its tokens: the message, after the
+  previous answer's last token when that one was never fed back (`max_new_tokens`).
   """
 
   def __init__(self, model, *, method: str = "rocketkv", token_budget: int = 256,
@@ -158,6 +161,9 @@ class Conversation:
                eos_token_ids: Sequence[int] | None = None, chat: bool = False,
                rocket_config: RocketConfig | None = None, block_size: int = 512,
                impl: str = "auto", programs: ProgramCache | None = None, turn_pad: int = 64):
+    check_args(method=method, max_new_tokens=max_new_tokens, temperature=temperature,
+               top_p=top_p, sampler=sampler, seed=seed, eos_token_ids=eos_token_ids,
+               rocket_config=rocket_config)
     name = method if rocket_config is None else rocket_config.method
     if not methods.get(name).takes_turns:
       allowed = tuple(m for m in methods.METHODS if methods.get(m).takes_turns)
@@ -182,6 +188,7 @@ class Conversation:
     self._seen = None  # [n] tokens in each row's cache
     self._trim = None  # [n] tokens fed after each row's EOS, dropped at the next turn
     self._carry = None  # per row, answer tokens not yet in its cache (0 or 1)
+    self._lost = None  # the turn whose failed decode took the state with it
 
   @property
   def context_lengths(self) -> list[int]:
@@ -192,7 +199,14 @@ class Conversation:
 
   def send(self, messages, *, stream=None, verbose: bool = False) -> GenerationResult:
     """The next turn: one message per conversation (a string, or token ids), as `generate`'s
-    prompts. Returns the answers; raises ValueError on a wrong batch or a context overflow."""
+    prompts. Returns the answers; raises ValueError on a wrong batch or a context overflow.
+
+    A turn that raises did not happen (the conversation stays as it was), except one whose
+    decode failed (a `stream` callback that raised, an interrupt): the decode had taken the KV
+    state over, and every later `send` raises RuntimeError."""
+    if self._lost is not None:
+      raise RuntimeError(f"this conversation's KV state was lost when turn {self._lost} failed "
+                         f"in its decode; start a new Conversation")
     if self.turn == 0:
       inp = _prepare(self.model, messages, **self._generate_args)
       run = _run(self.model, inp, programs=self.programs, stream=stream,
@@ -236,7 +250,7 @@ class Conversation:
           raise ValueError("string messages need a model with a tokenizer; pass token ids")
         ids = tok.encode(turn_text(tok, m) if self.chat else m, add_special_tokens=False)
       else:
-        ids = [int(t) for t in np.asarray(m).reshape(-1)]
+        ids = token_ids(m, self.model.config.vocab_size)
       out.append(list(carry) + ids)
       if not out[-1]:
         raise ValueError("every message must have at least one token")
@@ -248,10 +262,11 @@ class Conversation:
     n = len(ids)
     lengths = np.array([len(i) for i in ids], np.int32)
     t = -(-int(lengths.max()) // self.turn_pad) * self.turn_pad
-    context = int(self._seen.max()) + t
-    if context + self.max_new_tokens > config.max_position_embeddings:
+    context = int(self._seen.max()) + t  # the plan's (padding past a row's tokens: no position)
+    longest = int((self._seen + lengths).max())
+    if longest + self.max_new_tokens > config.max_position_embeddings:
       raise ValueError(
-          f"messages: the conversation ({context} tokens with this turn, padded) + "
+          f"messages: the conversation ({longest} tokens with this turn) + "
           f"max_new_tokens ({self.max_new_tokens}) exceeds the model's context of "
           f"{config.max_position_embeddings} tokens")
     plan = make_plan(self.rocket_config, context, self.max_new_tokens, config.head_dim)
@@ -277,41 +292,49 @@ class Conversation:
     key = args[5]
     self._stack = None  # the turn program returns the new state; `args` holds the old one
     say = _Progress(verbose)
-    say.start("compiling turn")
-    exe, turn_compile = self.programs.get(
-        "turn", turn_program,
-        dict(config=config, plan=plan, max_new_tokens=self.max_new_tokens, impl=self.impl,
-             out_sharding=inp.out_sharding), (), args)
-    say.done(turn_compile)
-    say.start(f"turn prompt of {int(lengths.sum())} tokens")
-    t0 = time.perf_counter()
-    first, stack, seen, kept = exe(*args)
+    try:
+      say.start("compiling turn")
+      exe, turn_compile = self.programs.get(
+          "turn", turn_program,
+          dict(config=config, plan=plan, max_new_tokens=self.max_new_tokens, impl=self.impl,
+               out_sharding=inp.out_sharding), (), args)
+      say.done(turn_compile)
+      say.start(f"turn prompt of {int(lengths.sum())} tokens")
+      t0 = time.perf_counter()
+      first, stack, seen, kept = exe(*args)
+      first.block_until_ready()
+    except BaseException:
+      self._stack = args[1]  # not donated: the previous state is whole, the turn did not happen
+      raise
     del args  # the previous state: freed before the decode, not held beside the new one
-    first.block_until_ready()
     turn_s = time.perf_counter() - t0
     say.done(turn_s)
     # the caller's rows only (every row's state has the same size): not the "dp" padding
     kv_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(stack)) * n // inp.rows
-    dec = _decode(self.model, plan, (params, stack, first, seen, key, sampler, inp.eos),
-                  programs=self.programs, stream=stream, impl=self.impl, say=say, n=n,
-                  rows=inp.rows, max_new_tokens=self.max_new_tokens,
-                  out_sharding=inp.out_sharding)
+    try:
+      dec = _decode(self.model, plan, (params, stack, first, seen, key, sampler, inp.eos),
+                    programs=self.programs, stream=stream, impl=self.impl, say=say, n=n,
+                    rows=inp.rows, max_new_tokens=self.max_new_tokens,
+                    out_sharding=inp.out_sharding)
+    except BaseException:
+      self._lost = self.turn + 1  # the decode program donated `stack`
+      raise
     if dec.overflow.any():
+      self._lost = self.turn + 1
       raise RuntimeError(f"KV cache overflow for batch rows {np.nonzero(dec.overflow.any(0))[0]}"
                          f" in turn {self.turn + 1} (capacity {plan.capacity})")
-    result = self._finish(dec.tokens, dec.steps, dec.cache, np.asarray(seen)[:n])
+    context = np.asarray(seen)[:n]
+    result = self._finish(dec.tokens, dec.steps, dec.cache, context)
     kept = np.asarray(kept)[:, :n].astype(np.float64)
     steps = dec.steps
+    new = [len(x) for x in result.tokens]
     result.stats.update(
         method=plan.method, token_budget=plan.token_budget, batch=n,
-        turn_tokens=lengths.tolist(), new_tokens=[len(x) for x in result.tokens],
+        prompt_lengths=lengths.tolist(), turn_tokens=lengths.tolist(), new_tokens=new,
         decode_steps=steps - 1, prefill_s=turn_s, decode_s=dec.seconds,
         decode_ms_per_token=1e3 * dec.seconds / max(steps - 1, 1),
         decode_tokens_per_s=(steps - 1) * n / dec.seconds if steps > 1 else 0.0,
         compile_s=turn_compile + dec.compile_s,
-        kv_tokens_kept=round(float(kept.mean())),
-        kv_tokens_kept_per_row=[round(float(x)) for x in kept.mean(0)],
-        kv_tokens_kept_per_layer=[round(float(x)) for x in kept.mean(1)],
-        capacity=plan.capacity, plan=plan, kv_cache_bytes=int(kv_bytes),
-        peak_bytes=max(_peak_bytes(exe), dec.peak_bytes))
+        **_kv_stats(config, plan, kept, steps, context + np.array(new)),
+        kv_cache_bytes=int(kv_bytes), peak_bytes=max(_peak_bytes(exe), dec.peak_bytes))
     return result

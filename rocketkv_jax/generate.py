@@ -74,6 +74,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import math
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -256,11 +257,32 @@ class _Progress:
 
 # --------------------------------------------------------------------------- inputs
 def _prompt_list(prompts):
-  """One prompt (a string, token ids) as a list of one; a list of prompts as it is."""
-  if isinstance(prompts, (str, np.ndarray)) or (
+  """One prompt (a string, token ids, a `[L]` array) as a list of one; a `[B, L]` array as its
+  rows; a list of prompts as it is."""
+  if isinstance(prompts, jax.Array):
+    prompts = np.asarray(prompts)
+  if isinstance(prompts, np.ndarray):
+    if prompts.ndim not in (1, 2):
+      raise ValueError(f"prompts: an array of token ids must be [L] (one prompt) or [B, L] "
+                       f"(one prompt per row), got shape {prompts.shape}")
+    return [prompts] if prompts.ndim == 1 else list(prompts)
+  if isinstance(prompts, str) or (
       isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))):
     return [prompts]
   return prompts
+
+
+def token_ids(p, vocab_size: int) -> list[int]:
+  """A prompt's token ids as Python ints; ValueError unless every one is an integer in
+  [0, vocab_size) (an id past the vocabulary would be clamped by the embedding lookup)."""
+  a = np.asarray(p)
+  if a.size and not np.issubdtype(a.dtype, np.integer):
+    raise ValueError(f"prompts: token ids must be integers, got dtype {a.dtype}")
+  ids = [int(t) for t in a.reshape(-1)]
+  bad = [t for t in ids if not 0 <= t < vocab_size]
+  if bad:
+    raise ValueError(f"prompts: token ids must be in [0, vocab_size={vocab_size}), got {bad[:5]}")
+  return ids
 
 
 def _encode_prompts(model, prompts, chat: bool) -> list[list[int]]:
@@ -278,8 +300,7 @@ def _encode_prompts(model, prompts, chat: bool) -> list[list[int]]:
       else:
         out.append(model.tokenizer.encode(p))
     else:
-      ids = [int(t) for t in np.asarray(p).reshape(-1)]
-      out.append(ids)
+      out.append(token_ids(p, model.config.vocab_size))
     if not out[-1]:
       raise ValueError("every prompt must have at least one token")
   return out
@@ -301,18 +322,47 @@ class _Inputs:
   eos: Any
 
 
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_number(x) -> bool:
+  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def check_args(*, method, max_new_tokens, temperature, top_p, sampler, seed, eos_token_ids,
+               rocket_config, **_):
+  """The arguments `generate` and `Conversation` share, checked before any model work:
+  ValueError naming the argument and what it takes."""
+  if rocket_config is not None and not isinstance(rocket_config, RocketConfig):
+    raise ValueError(f"rocket_config must be None or a rocketkv.RocketConfig, got "
+                     f"{type(rocket_config).__name__}")
+  methods.get(method if rocket_config is None else rocket_config.method)
+  if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+  if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
+    raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+  if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+  if sampler is not None and (temperature != 0.0 or top_p != 1.0):
+    raise ValueError("sampler: pass a sampling strategy or temperature / top_p, not both")
+  if not _is_int(seed) or not 0 <= seed < 2**32:  # (a wider one would be cut to 32 bits)
+    raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+  if eos_token_ids is not None and (
+      isinstance(eos_token_ids, (str, bytes)) or not isinstance(eos_token_ids, Sequence)
+      or not all(_is_int(e) and e >= 0 for e in eos_token_ids)):
+    raise ValueError(f"eos_token_ids must be None or a sequence of token ids (ints >= 0), got "
+                     f"{eos_token_ids!r}")
+
+
 def _prepare(model, prompts, *, method, token_budget, max_new_tokens, temperature, top_p, seed,
              eos_token_ids, chat, rocket_config, pad_to, sampler=None) -> _Inputs:
   """Checks the arguments, encodes and right-pads the prompts, plans, and places the inputs
   (on the model's mesh, the batch over "dp", if it has one)."""
-  if max_new_tokens < 1 or not isinstance(max_new_tokens, int):
-    raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-  if temperature < 0:
-    raise ValueError(f"temperature must be >= 0, got {temperature}")
-  if not 0.0 < top_p <= 1.0:
-    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-  if sampler is not None and (temperature != 0.0 or top_p != 1.0):
-    raise ValueError("sampler: pass a sampling strategy or temperature / top_p, not both")
+  check_args(method=method, max_new_tokens=max_new_tokens, temperature=temperature,
+             top_p=top_p, sampler=sampler, seed=seed, eos_token_ids=eos_token_ids,
+             rocket_config=rocket_config)
+  max_new_tokens = int(max_new_tokens)
   if sampler is not None:
     sampler = sampling.as_strategy(sampler)
   config = model.config
@@ -469,17 +519,36 @@ def _rows_read(plan, cache, n: int) -> np.ndarray | None:
   return np.concatenate(per)[:, :n]
 
 
+def _kv_stats(config, plan, kept: np.ndarray, steps: int, full: np.ndarray,
+              rows_read: np.ndarray | None = None) -> dict[str, Any]:
+  """The KV numbers of `GenerationResult.stats` from the tokens each layer kept `[N, n]`, the
+  decode steps taken and each row's whole context `[n]` (prompt + new tokens)."""
+  n = kept.shape[1]
+  # [layers, rows]: per row, its own kept tokens and the reads they imply
+  read = np.array([llama.layer_reads(config, plan, [int(x) for x in kept[:, b]], steps)
+                   for b in range(n)], np.float64).T
+  if rows_read is not None:  # counted by the method's state: the mean over the steps
+    read = rows_read.astype(np.float64)
+  full = full.astype(np.float64)
+  read_rows = read.mean(0)
+  return dict(
+      kv_tokens_full=round(float(full.mean())), kv_tokens_kept=round(float(kept.mean())),
+      kv_tokens_read=round(float(read_rows.mean())),
+      compression_ratio=float(full.mean() / max(read_rows.mean(), 1.0)),
+      kv_tokens_full_per_row=[int(x) for x in full],
+      kv_tokens_kept_per_row=[round(float(x)) for x in kept.mean(0)],
+      kv_tokens_read_per_row=[round(float(x)) for x in read_rows],
+      compression_ratio_per_row=[float(f / max(r, 1.0)) for f, r in zip(full, read_rows)],
+      kv_tokens_kept_per_layer=[round(float(x)) for x in kept.mean(1)],
+      kv_tokens_read_per_layer=[round(float(x)) for x in read.mean(1)],
+      capacity=plan.capacity, plan=plan)
+
+
 def _stats(inp: _Inputs, run: _Run, result_tokens: list[list[int]], config) -> dict[str, Any]:
   """`GenerationResult.stats` (the module docstring says what each number is)."""
   plan, n, steps = inp.plan, len(inp.ids), run.steps
   new = [len(t) for t in result_tokens]
-  # [layers, rows]: per row, its own kept prompt tokens and the reads they imply
-  read = np.array([llama.layer_reads(config, plan, [int(x) for x in run.kept[:, b]], steps)
-                   for b in range(n)], np.float64).T
-  if run.rows_read is not None:  # counted by the method's state: the mean over the steps
-    read = run.rows_read.astype(np.float64)
   full = inp.lengths.astype(np.float64) + np.array(new)
-  read_rows = read.mean(0)
   return dict(
       method=plan.method, token_budget=plan.token_budget, batch=n,
       prompt_lengths=inp.lengths.tolist(), new_tokens=new,
@@ -487,17 +556,8 @@ def _stats(inp: _Inputs, run: _Run, result_tokens: list[list[int]], config) -> d
       decode_ms_per_token=1e3 * run.decode_s / max(steps - 1, 1),
       decode_tokens_per_s=(steps - 1) * n / run.decode_s if steps > 1 else 0.0,
       compile_s=run.compile_s,
-      kv_tokens_full=round(float(full.mean())), kv_tokens_kept=round(float(run.kept.mean())),
-      kv_tokens_read=round(float(read_rows.mean())),
-      compression_ratio=float(full.mean() / max(read_rows.mean(), 1.0)),
-      kv_tokens_full_per_row=[int(x) for x in full],
-      kv_tokens_kept_per_row=[round(float(x)) for x in run.kept.mean(0)],
-      kv_tokens_read_per_row=[round(float(x)) for x in read_rows],
-      compression_ratio_per_row=[float(f / max(r, 1.0)) for f, r in zip(full, read_rows)],
-      kv_tokens_kept_per_layer=[round(float(x)) for x in run.kept.mean(1)],
-      kv_tokens_read_per_layer=[round(float(x)) for x in read.mean(1)],
-      capacity=plan.capacity, plan=plan, kv_cache_bytes=run.kv_bytes,
-      peak_bytes=run.peak_bytes,
+      **_kv_stats(config, plan, run.kept.astype(np.float64), steps, full, run.rows_read),
+      kv_cache_bytes=run.kv_bytes, peak_bytes=run.peak_bytes,
   )
 
 
@@ -527,7 +587,8 @@ def generate(
   Args:
     model: a `rocketkv.models.Model` (from `rocketkv.models.load`), or its NNX module
       (`model.module`, an `nnx_model.CausalLM`; then prompts are token ids).
-    prompts: a string, a list of strings, a list of token ids, or a list of those.
+    prompts: a string, a list of strings, a list of token ids (ints in [0, vocab_size)), a
+      list of those, or an int array: `[L]` one prompt, `[B, L]` one prompt per row.
     method: a name from `rocketkv.METHODS` ("full", "exact_topk", "snapkv", "quest", "sparq",
       "streamingllm", "rocketkv", "rocketkv_mt", and any registered later).
     token_budget: the method's token budget B (ignored by "full").
@@ -538,7 +599,7 @@ def generate(
       defaults): `rocketkv.sampling.Greedy()`, `TopP(temperature, top_p)`, `TopK(temperature,
       k)`, or one's own `fn(logits [B, V], key) -> ids [B] int32`: a pytree with array leaves,
       or a plain function (static: each new function object compiles again).
-    seed: sampling seed.
+    seed: sampling seed, an int in [0, 2**32).
     eos_token_ids: stop ids; default the tokenizer's / config's EOS. Pass () to never stop early.
     chat: wrap each string prompt in the model's chat template (user turn + generation prompt).
     stream: optional `fn(step, tokens [B], done [B])` called on the host for every step (with
@@ -562,7 +623,9 @@ def generate(
   Raises:
     ValueError: bad argument or prompt longer than the context. RuntimeError: cache overflow.
   """
-  methods.get(method if rocket_config is None else rocket_config.method)  # before the model
+  check_args(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+             sampler=sampler, seed=seed, eos_token_ids=eos_token_ids,
+             rocket_config=rocket_config)  # before the model is touched
   model = as_model(model)
   inp = _prepare(model, prompts, method=method, token_budget=token_budget,
                  max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,

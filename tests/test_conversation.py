@@ -152,9 +152,65 @@ def test_errors():
   with pytest.raises(ValueError, match="one message per conversation"):
     conv.send([[1, 2]])
   with pytest.raises(ValueError, match="exceeds the model's context"):
-    conv.send([[3] * 500, [4]])
+    conv.send([[3] * 510, [4]])
   res = conv.send([[3], [4, 5]])  # the failed calls left the conversation as it was
   assert res.stats["turn"] == 2 and conv.context_lengths == [3 + 4 + 1 + 4, 2 + 4 + 2 + 4]
+  with pytest.raises(ValueError, match=r"token ids must be in \[0, vocab_size=256\)"):
+    conv.send([[3], [256]])
+  for kwargs, match in [(dict(max_new_tokens=0), "max_new_tokens"),
+                        (dict(temperature=-1.0), "temperature"),
+                        (dict(eos_token_ids=2), "eos_token_ids")]:
+    with pytest.raises(ValueError, match=match):  # at construction, not at the first send
+      rocketkv.Conversation(model, **kwargs)
+
+
+def test_the_context_check_counts_tokens_not_padding():
+  """446 + 4 tokens, then a 5-token turn: 459 + 4 fits the 512-token context, though the turn
+  padded to turn_pad=64 would not."""
+  path, _ = _checkpoint("llama31")
+  conv = rocketkv.Conversation(M.load(path), method="full", max_new_tokens=4, eos_token_ids=())
+  conv.send([random_tokens(1, 446, seed=2)[0].tolist()])
+  res = conv.send([[5, 6, 7, 8, 9]])
+  assert res.stats["context_lengths"] == [446 + 4 + 5] and len(res.tokens[0]) == 4
+  with pytest.raises(ValueError, match=r"conversation \(509 tokens with this turn\) \+ "
+                                       r"max_new_tokens \(4\) exceeds"):
+    conv.send([[5] * 50])
+
+
+def test_later_turns_report_generates_stats():
+  path, _ = _checkpoint("llama31")
+  conv = rocketkv.Conversation(M.load(path), rocket_config=rocketkv.RocketConfig(
+      token_budget=24, window_size=8, kernel_size=3), max_new_tokens=4, eos_token_ids=())
+  first, later = _turns()
+  r1 = conv.send(first)
+  r2 = conv.send(later[0])
+  missing = set(r1.stats) - set(r2.stats)
+  assert not missing, missing
+  # the turn's tokens: the answer's last token (max_new_tokens: not fed back) and the message
+  assert r2.stats["prompt_lengths"] == r2.stats["turn_tokens"] == [len(m) + 1 for m in later[0]]
+  assert r2.stats["kv_tokens_full_per_row"] == [c + 4 for c in r2.stats["context_lengths"]]
+  plan = r2.stats["plan"]  # RocketKV reads top_k slots per step once the cache is larger
+  assert r2.stats["kv_tokens_read_per_row"] == [plan.top_k] * 2
+  assert r2.stats["compression_ratio_per_row"] == [
+      f / plan.top_k for f in r2.stats["kv_tokens_full_per_row"]]
+
+
+def test_a_failed_turn_leaves_the_conversation_as_it_was_or_says_it_is_lost():
+  path, _ = _checkpoint("llama31")
+  conv = rocketkv.Conversation(M.load(path), method="rocketkv_mt", max_new_tokens=4,
+                               eos_token_ids=())
+
+  def boom(step, tokens, done):
+    raise KeyError("callback")
+
+  with pytest.raises(Exception):
+    conv.send([[5, 6, 7]], stream=boom)
+  assert conv.turn == 0  # turn 1 did not happen: the next send is turn 1
+  conv.send([[5, 6, 7]])
+  with pytest.raises(Exception):
+    conv.send([[8, 9]], stream=boom)  # the decode had taken the state over
+  with pytest.raises(RuntimeError, match="lost when turn 2 failed in its decode; start a new"):
+    conv.send([[8, 9]])
 
 
 

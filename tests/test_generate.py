@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import jax.numpy as jnp
+import numpy as np
 
 import rocketkv_jax as rocketkv
 import rocketkv_jax.models as M
@@ -188,6 +189,39 @@ def test_bad_arguments_raise_value_errors():
     rocketkv.generate(model, [[5, 6]], temperature=1.0, sampler=sampling.Greedy())
   with pytest.raises(ValueError, match="^sampler must be a strategy"):
     rocketkv.generate(model, [[5, 6]], sampler=0.7)
+  bad = [  # each a one-line ValueError naming the argument, before the model is touched
+      (dict(prompts=[[1, 5, 300]]), r"token ids must be in \[0, vocab_size=256\), got \[300\]"),
+      (dict(prompts=[[1, -5, 3]]), r"token ids must be in \[0, vocab_size=256\), got \[-5\]"),
+      (dict(prompts=[[1.5, 2.0]]), "token ids must be integers, got dtype float64"),
+      (dict(prompts=np.zeros((1, 2, 3), np.int32)), r"must be \[L\] .* or \[B, L\]"),
+      (dict(temperature=float("nan")), "temperature must be a finite number >= 0, got nan"),
+      (dict(temperature="hot"), "temperature must be a finite number"),
+      (dict(max_new_tokens="4"), "max_new_tokens must be an int >= 1, got '4'"),
+      (dict(max_new_tokens=True), "max_new_tokens must be an int >= 1, got True"),
+      (dict(seed=2**40), r"seed must be an int in \[0, 2\*\*32\)"),
+      (dict(seed="a"), "seed must be an int"),
+      (dict(eos_token_ids=2), "eos_token_ids must be None or a sequence of token ids"),
+      (dict(rocket_config={"token_budget": 8}), "rocket_config must be None or a rocketkv"),
+  ]
+  for kwargs, match in bad:
+    kwargs = {"prompts": [[5, 6]], **kwargs}
+    with pytest.raises(ValueError, match=match) as e:
+      rocketkv.generate(model, kwargs.pop("prompts"), **kwargs)
+    assert "\n" not in str(e.value), kwargs
+
+
+def test_a_2d_array_is_one_prompt_per_row():
+  """A `[B, L]` array of ids is B prompts (it was once read as one prompt of B * L tokens),
+  a `[L]` array one prompt; numpy integer arguments are ints."""
+  path, _ = hf_checkpoint("llama31")
+  model = M.load(path)
+  toks = random_tokens(2, 12, seed=4)
+  kw = dict(method="full", max_new_tokens=3, eos_token_ids=())
+  rows = rocketkv.generate(model, [toks[0].tolist(), toks[1].tolist()], **kw)
+  arr = rocketkv.generate(model, np.asarray(toks), **{**kw, "max_new_tokens": np.int64(3)})
+  assert arr.tokens == rows.tokens and arr.stats["prompt_lengths"] == [12, 12]
+  one = rocketkv.generate(model, jnp.asarray(toks[1]), **kw)
+  assert one.tokens == rows.tokens[1:]
 
 
 def test_smollm2_string_prompt_full_kv_matches_transformers():
