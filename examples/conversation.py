@@ -50,7 +50,10 @@ def rocket_config(spec: str, budget: int) -> rocketkv.RocketConfig:
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--methods", nargs="+", default=["rocketkv_mt", "rocketkv", "full"])
+  p.add_argument("--methods", nargs="+", default=["rocketkv_mt", "rocketkv", "full"],
+                 help="method names or variant specs (NAME:field=value,...); 'recommended' is "
+                 "RocketConfig.recommended(B) (stage 1 once), 'recommended_mt' the same on "
+                 "rocketkv_mt (stage 1 per turn); default: rocketkv_mt rocketkv full")
   p.add_argument("--budget", type=int, default=256, help="token budget B (default 256)")
   p.add_argument("--max-new-tokens", type=int, default=24)
   p.add_argument("--quick", action="store_true", help=f"{QUICK_PARAGRAPHS} paragraphs")
@@ -61,18 +64,33 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   try:
-    configs = [rocket_config(m, args.budget) for m in args.methods]
-    if args.max_new_tokens < 1:
-      raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    for spec, cfg in zip(args.methods, configs):
-      if not rocketkv.methods.get(cfg.method).takes_turns:
-        raise ValueError(f"--methods: {spec!r} cannot take a turn")
-    model = rocketkv.models.load(rocketkv.models.smollm2_path())
-  except ValueError as e:
+    return _run(args)
+  except ValueError as e:  # every user error: the argument it names, one line
     if args.debug:
       raise
     print(f"error: {e}", file=sys.stderr)
     return 2
+
+
+def _flag(flag: str, fn):
+  """fn(), its ValueError prefixed with the command-line flag it comes from."""
+  try:
+    return fn()
+  except ValueError as e:
+    raise ValueError(f"{flag}: {e}") from None
+
+
+def _run(args) -> int:
+  if args.budget < 1:
+    raise ValueError(f"--budget must be >= 1, got {args.budget}")
+  if args.max_new_tokens < 1:
+    raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+  configs = [_flag(f"--methods {m!r}", lambda m=m: rocket_config(m, args.budget))
+             for m in args.methods]
+  for spec, cfg in zip(args.methods, configs):
+    if not rocketkv.methods.get(cfg.method).takes_turns:
+      raise ValueError(f"--methods: {spec!r} cannot take a turn")
+  model = rocketkv.models.load(rocketkv.models.smollm2_path())
   doc = document(QUICK_PARAGRAPHS if args.quick else PARAGRAPHS)
   messages = [doc + f"\n\nQuestion: {FACTS[0][1]}\nAnswer briefly.",
               f"Question: {FACTS[1][1]}\nAnswer briefly."]
@@ -81,7 +99,7 @@ def main(argv=None) -> int:
     conv = rocketkv.Conversation(model, rocket_config=cfg, max_new_tokens=args.max_new_tokens,
                                  chat=True)
     for turn, (msg, (_, question, answer)) in enumerate(zip(messages, FACTS)):
-      res = conv.send(msg)
+      res = _flag("--max-new-tokens", lambda: conv.send(msg))  # (the context it overflows)
       text = res.text[0].strip().replace("\n", " ")
       found = answer.lower() in text.lower()
       rows.append((spec, turn + 1, res.stats["context_lengths"][0], found, text))

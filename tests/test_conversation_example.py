@@ -27,4 +27,12 @@ def test_user_errors_exit_2(capsys):
   assert conversation.main(["--methods", "exact_topp"]) == 2
   assert capsys.readouterr().err.startswith("error: --methods: 'exact_topp' cannot take a turn")
   assert conversation.main(["--methods", "rocketkv:nope=1"]) == 2
+  assert capsys.readouterr().err.startswith("error: --methods 'rocketkv:nope=1': ")
   assert conversation.main(["--max-new-tokens", "0"]) == 2
+  assert conversation.main(["--budget", "0"]) == 2
+  assert capsys.readouterr().err.splitlines() == [
+      "error: --max-new-tokens must be >= 1, got 0", "error: --budget must be >= 1, got 0"]
+  if smollm2_gguf() is not None:  # found when the first turn is prepared: still one line
+    assert conversation.main(["--quick", "--methods", "full", "--max-new-tokens", "7300"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --max-new-tokens: prompt (") and err.count("\n") == 1, err
