@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import types
 
+import numpy as np
+
 from rocketkv_jax import methods
 from rocketkv_jax._checks import require, require_int
 from rocketkv_jax.budget import Plan
@@ -103,6 +105,8 @@ class RocketConfig:
     return cls(token_budget=token_budget, **{**RECOMMENDED, **fields})
 
   def __post_init__(self):
+    for f in _INT_FIELDS:  # a NumPy integer (a length read off an array) is stored as an int
+      object.__setattr__(self, f, _as_int(getattr(self, f)))
     method = methods.get(self.method)
     require_int("token_budget", self.token_budget, 1)
     require_int("window_size", self.window_size, 1)
@@ -142,6 +146,15 @@ class RocketConfig:
         require_int(name, val, 1)
 
 
+_INT_FIELDS = ("token_budget", "window_size", "kernel_size", "capacity", "prompt_budget", "top_k",
+               "chunk_size", "r", "page_size", "sink_size", "skip_layers")
+
+
+def _as_int(x):
+  """A NumPy integer as a Python int (hashable, JSON-able, equal); anything else as it is."""
+  return int(x) if isinstance(x, np.integer) else x
+
+
 def plan(config: RocketConfig, prompt_len: int, max_new_tokens: int, head_dim: int) -> Plan:
   """Splits `config.token_budget` for a prompt of `prompt_len` tokens and `max_new_tokens` more.
 
@@ -149,6 +162,7 @@ def plan(config: RocketConfig, prompt_len: int, max_new_tokens: int, head_dim: i
   capacity 1618, prompt_budget 1518, top_k 128, chunk_size 3, r 60.
   """
   require(isinstance(config, RocketConfig), f"config must be a RocketConfig, got {type(config)}")
+  prompt_len, max_new_tokens, head_dim = map(_as_int, (prompt_len, max_new_tokens, head_dim))
   require_int("prompt_len", prompt_len, 1)
   require_int("max_new_tokens", max_new_tokens, 0)
   require_int("head_dim", head_dim, 1)

@@ -242,3 +242,17 @@ def test_last_valid_window_takes_each_rows_last_valid_queries():
   np.testing.assert_array_equal(got[1], q[1, :, [0, 0, 0, 1]].transpose(1, 0, 2))
   with pytest.raises(ValueError, match=r"lengths must be in \[1, L=10\]"):
     rocketkv.last_valid_window(jnp.asarray(q), jnp.array([10, 11]), 4)
+
+
+def test_numpy_integers_are_ints():
+  """A length read off an array (np.int64) is an int to the config and the plan, stored as a
+  Python int (so configs compare, hash and serialise as their int forms); bools and floats
+  are not."""
+  import numpy as np
+  cfg = rocketkv.RocketConfig(np.int64(32), window_size=np.int32(8))
+  assert cfg == CFG and hash(cfg) == hash(CFG) and type(cfg.token_budget) is int
+  plan = rocketkv.plan(cfg, np.int64(64), np.int64(4), np.int64(16))
+  assert plan == PLAN and type(plan.prompt_len) is int
+  for bad in (np.float64(32.0), True, np.bool_(True)):
+    with pytest.raises(ValueError, match="token_budget must be an int"):
+      rocketkv.RocketConfig(bad)
