@@ -216,7 +216,11 @@ def main(argv=None):
     raise SystemExit(2) from None
   print(f"writing to {a.out}/", flush=True)
   if a.merge:
-    results = report.merge([report.load_for_merge(f) for f in a.merge])
+    try:
+      results = report.merge([report.load_for_merge(f) for f in a.merge])
+    except ValueError as e:
+      print(f"error: {e}", file=sys.stderr)
+      raise SystemExit(2) from None
     paths = _write(results, a.out, a.name)
     print(report.markdown(results))
     for k, v in paths.items():
@@ -230,6 +234,7 @@ def main(argv=None):
   try:
     path = M.gemma3_path() if a.model == "gemma3" else (a.model or M.smollm2_path())
     model = M.load(path, dtype=jnp.dtype(a.dtype))
+    harness.check_model(model, cfg)  # lengths against the model's context and the tasks
   except (ValueError, OSError) as e:  # a missing path, a corrupt or mismatched checkpoint
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -294,8 +295,10 @@ def prepare(args) -> _Job:
     max_new = QUICK_NEW_TOKENS if args.quick else DEMO_NEW_TOKENS
   if max_new < 1:
     raise UsageError(f"--max-new-tokens must be >= 1, got {max_new}")
-  if args.temperature < 0:
-    raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
+  if not math.isfinite(args.temperature) or args.temperature < 0:
+    raise UsageError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+  if not 0 <= args.seed < 2**32:
+    raise UsageError(f"--seed must be in [0, 2**32), got {args.seed}")
   if not 0.0 < args.top_p <= 1.0:
     raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
   if args.top_k is not None and (args.top_k < 1 or args.temperature == 0 or args.top_p != 1.0):

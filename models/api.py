@@ -89,11 +89,16 @@ class Model:
     On a mesh (`load(..., mesh=...)`) the batch is split over "dp" when "dp" divides it, and the
     logits come back replicated, so every process can read them (`np.asarray`).
     """
-    tokens = np.asarray(token_ids, np.int32)
+    try:  # checked as given, before the int32 cast (which would wrap a large id)
+      tokens = np.asarray(token_ids)
+    except ValueError:  # a ragged list
+      raise ValueError("token_ids must have shape [B, T] (rows of equal length) or [T]") from None
     if tokens.ndim == 1:
       tokens = tokens[None]
-    if tokens.ndim != 2 or tokens.shape[1] == 0:
-      raise ValueError(f"token_ids must have shape [B, T] with T >= 1, got {tokens.shape}")
+    if tokens.ndim != 2 or tokens.shape[0] == 0 or tokens.shape[1] == 0:
+      raise ValueError(f"token_ids must have shape [B, T] with B, T >= 1, got {tokens.shape}")
+    if not np.issubdtype(tokens.dtype, np.integer):
+      raise ValueError(f"token_ids must be integers, got dtype {tokens.dtype}")
     if tokens.shape[1] > self.config.max_position_embeddings:
       raise ValueError(
           f"token_ids has {tokens.shape[1]} tokens, longer than the model's context of "
@@ -101,6 +106,7 @@ class Model:
     if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
       raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got "
                        f"[{tokens.min()}, {tokens.max()}]")
+    tokens = tokens.astype(np.int32)
     mesh = sharding.mesh_of(self.params)
     if mesh is None:
       return _forward(self.params, jnp.asarray(tokens), config=self.config,

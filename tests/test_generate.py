@@ -210,6 +210,27 @@ def test_bad_arguments_raise_value_errors():
     assert "\n" not in str(e.value), kwargs
 
 
+def test_logits_and_score_continuations_check_token_ids():
+  """An int64 id past int32 was wrapped by the cast (2**32 + 5 scored as 5); an id past the
+  vocabulary gave a NaN log-prob, -1 scored as the last id."""
+  path, _ = hf_checkpoint("llama31")
+  model = M.load(path)
+  with pytest.raises(ValueError, match=r"token ids must be in \[0, 256\)"):
+    model.logits(np.array([[2**32 + 5, 7]], np.int64))
+  with pytest.raises(ValueError, match=r"rows of equal length"):
+    model.logits([[1, 2, 3], [4]])
+  with pytest.raises(ValueError, match="token_ids must be integers"):
+    model.logits([[1.5, 2.0]])
+  for bad, match in [([[256, 5]], r"continuations: token ids must be in \[0, vocab_size=256\)"),
+                     ([[-1, 5]], r"continuations: token ids must be in"),
+                     ([[3.9]], "continuations: token ids must be integers")]:
+    with pytest.raises(ValueError, match=match):
+      rocketkv.score_continuations(model, [[1, 2, 3]], bad)
+  a = rocketkv.score_continuations(model, np.array([[1, 2, 3], [4, 5, 6]]), [[7, 8], [9]])
+  b = rocketkv.score_continuations(model, [[1, 2, 3], [4, 5, 6]], [[7, 8], [9]])
+  assert [list(x) for x in a.logprobs] == [list(x) for x in b.logprobs]
+
+
 def test_a_2d_array_is_one_prompt_per_row():
   """A `[B, L]` array of ids is B prompts (it was once read as one prompt of B * L tokens),
   a `[L]` array one prompt; numpy integer arguments are ints."""

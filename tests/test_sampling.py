@@ -71,6 +71,29 @@ def test_top_k_rejects_a_bad_k(k):
     sampling.TopK(temperature=1.0, k=k)
 
 
+@pytest.mark.parametrize("make, match", [
+    (lambda: sampling.TopP(temperature=1.0, top_p=0.0), r"^TopP.top_p must be in \(0, 1\]"),
+    (lambda: sampling.TopP(temperature=1.0, top_p=float("nan")), r"^TopP.top_p must be in"),
+    (lambda: sampling.TopP(temperature=float("nan"), top_p=0.9),
+     "^TopP.temperature must be a finite number > 0, got nan"),
+    (lambda: sampling.TopP(temperature=jnp.float32(0.0), top_p=jnp.float32(0.9)),
+     "^TopP.temperature must be a finite number > 0, got 0.0"),
+    (lambda: sampling.TopK(temperature=-5.0, k=3), "^TopK.temperature must be a finite number"),
+])
+def test_strategies_reject_values_they_would_silently_misuse(make, match):
+  """top_p 0 or a NaN temperature drew token 0 every step; a negative one acted as greedy."""
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_strategies_check_concrete_values_only():
+  """Inside jit the numbers are traced (not read); a NumPy k is an int."""
+  top = sampling.as_strategy(sampling.TopP(temperature=0.7, top_p=0.9))
+  out = jax.jit(lambda s, l, k: s(l, k))(top, jnp.zeros((2, 10)), jax.random.PRNGKey(0))
+  assert out.shape == (2,)
+  assert sampling.TopK(temperature=1.0, k=np.int64(3)).k == 3
+
+
 def test_as_strategy_wraps_functions_and_converts_numbers():
   def last_token(logits, key):
     del key

@@ -108,6 +108,11 @@ class SweepConfig:
       if t not in tasks_lib.TASKS + (tasks_lib.MULTITURN_TASK,):
         raise ValueError(f"unknown task {t!r}; allowed: "
                          f"{tasks_lib.TASKS + (tasks_lib.MULTITURN_TASK,)}")
+    for name, vals in (("context_lengths", self.context_lengths), ("budgets", self.budgets)):
+      if not vals or not all(isinstance(v, (int, np.integer)) and v >= 1 for v in vals):
+        raise ValueError(f"{name} must be ints >= 1, got {list(vals)}")
+    if self.max_new_tokens is not None and self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be None or >= 1, got {self.max_new_tokens}")
     if self.samples < 1 or self.batch_size < 1:
       raise ValueError(f"samples and batch_size must be >= 1, got samples={self.samples}, "
                        f"batch_size={self.batch_size}")
@@ -220,15 +225,38 @@ class _Progress:
       self.bar.close()
 
 
+def _task_len(model, cfg: SweepConfig, task: str, length: int) -> tuple[int, int]:
+  """(new tokens per answer, the padded prompt length) of a synthetic task at `length`: a
+  multi-turn prompt leaves room for its later turns too."""
+  mn = max_new_tokens_for(cfg, task)
+  later = (cfg.turns - 1) * (cfg.turn_pad + mn) if task == tasks_lib.MULTITURN_TASK else 0
+  return mn, padded_len(model, length, mn + later)
+
+
+def check_model(model, cfg: SweepConfig) -> None:
+  """ValueError, before any run, for a length past the model's context (a sweep shortens a
+  length only by the new tokens it must still fit) or too short for a task's fixed text."""
+  ctx = model.config.max_position_embeddings
+  for length in cfg.context_lengths:
+    if length > ctx:
+      raise ValueError(f"context_lengths: {length} exceeds the model's context of {ctx} tokens")
+  tok = sweep_tokenizer(model, cfg)
+  for length in cfg.context_lengths:
+    for task in cfg.tasks:  # one sample each: a too-short length fails here, not mid-sweep
+      try:
+        tasks_lib.make_sample(tok, task, length, cfg.sample_start, cfg.seed,
+                              target_tokens=_task_len(model, cfg, task, length)[1])
+      except ValueError as e:
+        raise ValueError(f"context_lengths: {length} for {task}: {e}") from None
+
+
 def build_samples(model, cfg: SweepConfig) -> dict:
   """{(task, length): (samples, max_new, padded_len)} for every synthetic / LongBench task."""
   tok = sweep_tokenizer(model, cfg)
   out = {}
   for length in cfg.context_lengths:
     for task in cfg.tasks:
-      mn = max_new_tokens_for(cfg, task)
-      p = padded_len(model, length, mn + ((cfg.turns - 1) * (cfg.turn_pad + mn)
-                                            if task == tasks_lib.MULTITURN_TASK else 0))
+      mn, p = _task_len(model, cfg, task, length)
       ss = [tasks_lib.make_sample(tok, task, length, i, cfg.seed, target_tokens=p)
             for i in range(cfg.sample_start, cfg.sample_start + cfg.samples)]
       out[(task, length)] = (ss, mn, p)

@@ -65,6 +65,9 @@ def only_tasks(result: dict, tasks) -> dict:
 def load_for_merge(spec: str) -> dict:
   """A `--merge` argument: `PATH` (the whole run) or `PATH:TASK,TASK` (those tasks only)."""
   path, _, tasks = spec.rpartition(":") if not os.path.exists(spec) else (spec, "", "")
+  path = path or spec  # no ":": a path that does not exist, named as given
+  if not os.path.isfile(path):
+    raise ValueError(f"--merge: no result file {path!r}")
   result = load_json(path)
   return only_tasks(result, tasks.split(",")) if tasks else result
 
