@@ -226,9 +226,14 @@ def load(path: str, dtype=jnp.float32, mesh: "jax.sharding.Mesh | None" = None) 
       an unsupported architecture or rope type, a config-weights shape mismatch.
     ValueError: a bad dtype, or a mesh whose "tp" size does not divide num_kv_heads.
   """
+  try:  # "bf16", None (numpy's float64) and the like: named as given
+    ok = dtype is not None and jnp.dtype(dtype) in (jnp.dtype(jnp.float32),
+                                                     jnp.dtype(jnp.bfloat16))
+  except TypeError:
+    ok = False
+  if not ok:
+    raise ValueError(f"dtype must be jnp.float32 or jnp.bfloat16 (or their names), got {dtype!r}")
   dtype = jnp.dtype(dtype)
-  if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-    raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
   path = os.fspath(path)
   kind = _kind(path)
   if kind == "hf":

@@ -256,3 +256,11 @@ def test_numpy_integers_are_ints():
   for bad in (np.float64(32.0), True, np.bool_(True)):
     with pytest.raises(ValueError, match="token_budget must be an int"):
       rocketkv.RocketConfig(bad)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", None, "float16", 3])
+def test_load_names_a_bad_dtype_as_given(dtype):
+  """Checked before the path is read: a ValueError naming the value passed, not numpy's."""
+  with pytest.raises(ValueError, match=r"^dtype must be jnp.float32 or jnp.bfloat16 .*got "
+                     + repr(dtype).replace("(", r"\(")):
+    rocketkv.models.load("/nonexistent", dtype=dtype)
