@@ -61,10 +61,25 @@ def per_length(res) -> str:
   return "\n".join(out)
 
 
+def _require(table: str, agg, needed: list) -> None:
+  """ValueError unless every (task, length, method, budget) cell `table` reads is in `agg`."""
+  needed = list(dict.fromkeys(needed))
+  missing = [k for k in needed if k not in agg]
+  if missing or not needed:
+    raise ValueError(
+        f"{table} reads the full sweep of issue #5 (full; rocketkv and {list(OTHERS)} at every "
+        f"budget it prints); this file lacks {len(missing) if needed else 'all'} of its cells"
+        + (f", e.g. (task, length, method, budget) = {missing[0]}" if missing else "")
+        + "; --compare or --task-means read any run")
+
+
 def claims(res) -> str:
   agg = report.aggregate(res["records"])
   tasks = list(dict.fromkeys(r["task"] for r in res["records"]))
   lengths = sorted({r["context_len"] for r in res["records"]})
+  _require("claims", agg, [(t, n, m, b) for t in tasks for n in lengths
+                           if (t, n, "full", None) in agg
+                           for m in ("rocketkv",) + tuple(OTHERS) for b in (128, 256, 512, 1024)])
   lines = ["| task | length | full | rocketkv B=256 | gap | best other at 256 | RocketKV >= "
            "every other, B=128 / 256 / 512 / 1024 | n |", "|---|---|---|---|---|---|---|---|"]
   wins = cells_n = near = near_n = 0
@@ -107,6 +122,8 @@ def means(res) -> str:
             ("rocketkv", "**rocketkv** (reads B/2)"), ("snapkv", "snapkv"),
             ("quest", "quest (page 16)"), ("sparq", "sparq (reads B/2)"),
             ("streamingllm", "streamingllm"))
+  _require("means", agg, [(r["task"], r["context_len"], m, None if m == "full" else b)
+                          for r in recs for m, _ in labels for b in (64, 128, 256, 512, 1024)])
   for length in sorted({r["context_len"] for r in recs}):
     tasks = list(dict.fromkeys(r["task"] for r in recs if r["context_len"] == length))
     for m, label in labels:

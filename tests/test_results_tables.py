@@ -57,6 +57,19 @@ def test_claims_counts_cells_against_the_best_other_method():
       "RocketKV at B=256 within 2 points of full KV in 2 of 2 (task, length) cells")
 
 
+def test_claims_and_means_name_the_cells_a_run_lacks():
+  """A run without issue #5's whole grid (another sweep's methods or budgets): a ValueError
+  naming a missing cell, not a KeyError or an empty table."""
+  res = _grid()
+  res["records"] = [r for r in res["records"] if r["method"] != "quest"]
+  for table in ("claims", "means"):
+    with pytest.raises(ValueError, match=rf"^{table} reads the full sweep .* e\.g\. .*'quest'"):
+      TABLES[table](res)
+  res["records"] = [r for r in res["records"] if r["method"] != "full"]
+  with pytest.raises(ValueError, match="lacks all of its cells"):
+    TABLES["claims"](res)
+
+
 def test_means_and_per_length_tables():
   res = _grid()
   means = TABLES["means"](res)
