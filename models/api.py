@@ -162,6 +162,10 @@ def _kind(path: str) -> str:
     raise FileNotFoundError(
         f"model path {path!r} does not exist (expected a Hugging Face directory or a .gguf file)")
   if os.path.isdir(path):
+    if (not os.path.exists(os.path.join(path, "config.json"))
+        and os.path.exists(os.path.join(path, "model_config.json"))):
+      raise ValueError(f"model path {path!r} holds a model written by "
+                       f"rocketkv.models.checkpoint.save: read it with checkpoint.restore(path)")
     return "hf"
   if path.endswith(".gguf"):
     gguf_loader.check_magic(path)

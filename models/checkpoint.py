@@ -87,7 +87,12 @@ def restore(directory: str, shardings=None):
   tokenizer = None
   tj = os.path.join(directory, "tokenizer.json")
   if os.path.isfile(tj):
-    with open(os.path.join(directory, "tokenizer_meta.json")) as f:
-      meta = json.load(f)
+    meta_file = os.path.join(directory, "tokenizer_meta.json")
+    try:
+      with open(meta_file) as f:
+        meta = json.load(f)
+    except (OSError, ValueError) as e:
+      raise CheckpointError(meta_file, f"expected the tokenizer's BOS / EOS / template written "
+                            f"beside tokenizer.json by `save`: {cause(e)}") from e
     tokenizer = Tokenizer(tokenizers.Tokenizer.from_file(tj), **meta)
   return Model(config, params, tokenizer, directory)

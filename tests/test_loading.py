@@ -105,6 +105,12 @@ def test_orbax_round_trip(tmp_path):
   text = PARAGRAPHS[0]
   assert back.tokenizer.encode(text) == tok.encode(text)
   assert back.tokenizer.chat_template == tok.chat_template
+  with pytest.raises(ValueError, match="written by rocketkv.models.checkpoint.save: read it "
+                     "with checkpoint.restore"):
+    M.load(str(tmp_path / "ckpt"))  # not a Hugging Face directory: say what it is
+  os.remove(str(tmp_path / "ckpt" / "tokenizer_meta.json"))
+  with pytest.raises(M.CheckpointError, match="tokenizer_meta.json': expected the tokenizer's"):
+    checkpoint.restore(str(tmp_path / "ckpt"))
 
 
 def test_unpermute_inverts_llama_cpp_permute():
