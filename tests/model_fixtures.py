@@ -144,3 +144,34 @@ def gemma3_checkpoint(seed: int = 0):
   path = os.path.join(_TMP.name, "gemma3")
   model.save_pretrained(path, safe_serialization=True)
   return path, model
+
+
+_HOST_DEVICES_PREAMBLE = """\
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={devices}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, {tests!r})
+import jax
+jax.config.update("jax_default_matmul_precision", "highest")
+import numpy as np
+import rocketkv_jax as rocketkv
+import rocketkv_jax.models as M
+from rocketkv_jax.models import sharding
+from model_fixtures import random_tokens
+assert len(jax.devices()) == {devices}
+"""
+
+
+def run_on_host_devices(body: str, devices: int, timeout: int = 600):
+  """Runs the script `body` in a child Python on `devices` forced CPU host devices (the count
+  is fixed at JAX start-up), with numpy, jax, rocketkv, rocketkv.models as M, sharding and
+  this module's random_tokens imported; returns the CompletedProcess."""
+  import subprocess
+  import sys
+  import textwrap
+
+  tests = os.path.dirname(os.path.abspath(__file__))
+  script = _HOST_DEVICES_PREAMBLE.format(devices=devices, tests=tests) + textwrap.dedent(body)
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                        timeout=timeout)

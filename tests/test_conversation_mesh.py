@@ -4,26 +4,9 @@ an EOS, RocketKV-MT evicting below the conversation, streaming, and Gemma 3's sl
 beside the recommended RocketKV.
 Runs in a subprocess because the device count is fixed at JAX start-up."""
 
-import os
-import subprocess
-import sys
-import textwrap
+from model_fixtures import gemma3_checkpoint, hf_checkpoint, run_on_host_devices
 
-from model_fixtures import gemma3_checkpoint, hf_checkpoint
-
-_SCRIPT = textwrap.dedent("""
-    import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    sys.path.insert(0, {tests!r})
-    import jax
-    jax.config.update("jax_default_matmul_precision", "highest")
-    import rocketkv_jax as rocketkv
-    import rocketkv_jax.models as M
-    from rocketkv_jax.models import sharding
-    from model_fixtures import random_tokens
-
-    assert len(jax.devices()) == 4
+_SCRIPT = """
     toks = random_tokens(9, 40, seed=5)
     turns = [[toks[0].tolist(), toks[1, :27].tolist(), toks[2, :33].tolist()],
              [toks[3, :9].tolist(), toks[4, :14].tolist(), toks[5, :3].tolist()],
@@ -72,16 +55,11 @@ _SCRIPT = textwrap.dedent("""
         if name == "llama_tp":  # a row stopped at the EOS on turn 1
           assert eos and min(len(t) for t in a[0][0]) < 6, a
     print("MESH-OK")
-""")
+"""
 
 
 def test_conversation_on_a_dp_tp_mesh_matches_one_device():
-  tests = os.path.dirname(os.path.abspath(__file__))
   llama, _ = hf_checkpoint("llama_tp")  # written here: the child never imports torch
   gemma, _ = gemma3_checkpoint()
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  script = _SCRIPT.format(tests=tests, llama=llama, gemma=gemma)
-  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                       timeout=900)
+  out = run_on_host_devices(_SCRIPT.format(llama=llama, gemma=gemma), devices=4, timeout=900)
   assert out.returncode == 0 and "MESH-OK" in out.stdout, out.stdout[-3000:] + out.stderr[-6000:]

@@ -2,27 +2,9 @@
 same tokens as one device. Runs in a subprocess because the device count is fixed at
 JAX start-up."""
 
-import os
-import subprocess
-import sys
-import textwrap
+from model_fixtures import hf_checkpoint, run_on_host_devices
 
-from model_fixtures import hf_checkpoint
-
-_SCRIPT = textwrap.dedent("""
-    import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    sys.path.insert(0, {tests!r})
-    import jax
-    jax.config.update("jax_default_matmul_precision", "highest")
-    import numpy as np
-    import rocketkv_jax as rocketkv
-    import rocketkv_jax.models as M
-    from rocketkv_jax.models import sharding
-    from model_fixtures import random_tokens
-
-    assert len(jax.devices()) == 4
+_SCRIPT = """
     path = {path!r}
     single = M.load(path)
     mesh = sharding.make_mesh(4)
@@ -42,32 +24,16 @@ _SCRIPT = textwrap.dedent("""
     np.testing.assert_allclose(np.asarray(tp.logits(prompts[0])),
                                np.asarray(single.logits(prompts[0])), atol=1e-4)
     print("TP-OK")
-""")
+"""
 
 
 def test_tensor_parallel_matches_single_device():
-  tests = os.path.dirname(os.path.abspath(__file__))
   path, _ = hf_checkpoint("llama_tp")  # written here: the child never imports torch
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  out = subprocess.run([sys.executable, "-c", _SCRIPT.format(tests=tests, path=path)], env=env,
-                       capture_output=True, text=True, timeout=600)
+  out = run_on_host_devices(_SCRIPT.format(path=path), devices=4)
   assert out.returncode == 0 and "TP-OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
 
 
-_GEMMA_SCRIPT = textwrap.dedent("""
-    import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    sys.path.insert(0, {tests!r})
-    import jax
-    jax.config.update("jax_default_matmul_precision", "highest")
-    import numpy as np
-    import rocketkv_jax as rocketkv
-    import rocketkv_jax.models as M
-    from rocketkv_jax.models import sharding
-    from model_fixtures import random_tokens
-
+_GEMMA_SCRIPT = """
     path = {path!r}
     single = M.load(path)
     tp = M.load(path, mesh=sharding.make_mesh(2))
@@ -83,7 +49,7 @@ _GEMMA_SCRIPT = textwrap.dedent("""
     np.testing.assert_allclose(np.asarray(tp.logits(prompts[0])),
                                np.asarray(single.logits(prompts[0])), atol=1e-4)
     print("TP-OK")
-""")
+"""
 
 
 def test_tensor_parallel_gemma3_hybrid_through_its_module():
@@ -91,10 +57,6 @@ def test_tensor_parallel_gemma3_hybrid_through_its_module():
   the tokens of one device."""
   from model_fixtures import gemma3_checkpoint
 
-  tests = os.path.dirname(os.path.abspath(__file__))
   path, _ = gemma3_checkpoint()
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  out = subprocess.run([sys.executable, "-c", _GEMMA_SCRIPT.format(tests=tests, path=path)],
-                       env=env, capture_output=True, text=True, timeout=600)
+  out = run_on_host_devices(_GEMMA_SCRIPT.format(path=path), devices=2)
   assert out.returncode == 0 and "TP-OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
