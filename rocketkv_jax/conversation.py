@@ -48,10 +48,9 @@ from rocketkv_jax.cache import KVCache, extend, grow
 from rocketkv_jax.config import RocketConfig, check_num_layers
 from rocketkv_jax.config import plan as make_plan
 from rocketkv_jax.generate import (PROGRAMS, GenerationResult, ProgramCache, _decode, _host_out,
-                                   _kv_stats, _peak_bytes, _prepare, _Progress, _prompt_list,
-                                   _run, _stats, check_args, token_ids)
+                                   _kv_stats, _peak_bytes, _place, _prepare, _Progress,
+                                   _prompt_list, _run, _stats, check_args, token_ids)
 from rocketkv_jax.models import llama
-from rocketkv_jax.models import sharding as sharding_lib
 from rocketkv_jax.models.api import as_model
 from rocketkv_jax.models.precision import compute_params
 from rocketkv_jax.multiturn import begin_turn
@@ -273,23 +272,15 @@ class Conversation:
     check_num_layers(plan, config.num_layers)
     # the programs' rows: a mesh's "dp" padding repeats the last conversation (its cache holds
     # that conversation's tokens at the same positions, so its lengths and trim fit it too)
-    pad = [n - 1] * (inp.rows - n)
+    rows = list(range(n)) + [n - 1] * (inp.rows - n)
     tokens = np.zeros((inp.rows, t), np.int32)
-    for b, row in enumerate(ids + [ids[-1]] * len(pad)):
-      tokens[b, :len(row)] = row
-    lengths_all, trim = lengths[list(range(n)) + pad], self._trim[list(range(n)) + pad]
+    for b, r in enumerate(rows):
+      tokens[b, :len(ids[r])] = ids[r]
     params, _, _, _, sampler = inp.prefill_args
     key = np.asarray(jax.random.fold_in(jax.random.PRNGKey(self._generate_args["seed"]),
                                         self.turn))
-    if inp.out_sharding is None:
-      host = [jnp.asarray(x) for x in (tokens, lengths_all, trim, key)]
-    else:  # global arrays, as generate's: the batch over "dp", the key replicated
-      mesh = inp.out_sharding.mesh
-      host = [sharding_lib.global_array(x, sharding_lib.batch_sharding(mesh, x.ndim))
-              for x in (tokens, lengths_all, trim)]
-      host.append(sharding_lib.global_array(key, inp.out_sharding))
-    args = (params, self._stack, *host, sampler)
-    key = args[5]
+    batch, (key,) = _place(inp.out_sharding, (tokens, lengths[rows], self._trim[rows]), (key,))
+    args = (params, self._stack, *batch, key, sampler)
     self._stack = None  # the turn program returns the new state; `args` holds the old one
     say = _Progress(verbose)
     try:

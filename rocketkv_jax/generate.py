@@ -355,6 +355,17 @@ def check_args(*, method, max_new_tokens, temperature, top_p, sampler, seed, eos
                      f"{eos_token_ids!r}")
 
 
+def _place(out_sharding, batch: tuple, replicated: tuple) -> tuple[list, list]:
+  """Host arrays as program inputs: on the default device, or (on `out_sharding`'s mesh) as
+  global arrays, `batch` split over "dp" on its leading axis and `replicated` replicated;
+  each process puts its own slices."""
+  if out_sharding is None:
+    return [jnp.asarray(x) for x in batch], [jnp.asarray(x) for x in replicated]
+  mesh = out_sharding.mesh
+  return ([sharding_lib.global_array(x, sharding_lib.batch_sharding(mesh, x.ndim)) for x in batch],
+          [sharding_lib.global_array(x, out_sharding) for x in replicated])
+
+
 def _prepare(model, prompts, *, method, token_budget, max_new_tokens, temperature, top_p, seed,
              eos_token_ids, chat, rocket_config, pad_to, sampler=None) -> _Inputs:
   """Checks the arguments, encodes and right-pads the prompts, plans, and places the inputs
@@ -395,14 +406,9 @@ def _prepare(model, prompts, *, method, token_budget, max_new_tokens, temperatur
   if sampler is None:
     sampler = sampling.sampler(temperature, top_p)
   key = np.asarray(jax.random.PRNGKey(seed))
-  if mesh is None:
-    out_sharding = None
-    tokens_j, lengths_j, key, eos = (jnp.asarray(x) for x in (tokens, row_lengths, key, eos))
-  else:  # global arrays: batch over "dp", the rest replicated; each process puts its slices
-    out_sharding = sharding_lib.replicated(mesh)
-    tokens_j, lengths_j = (sharding_lib.global_array(x, sharding_lib.batch_sharding(mesh, x.ndim))
-                           for x in (tokens, row_lengths))
-    key, eos = (sharding_lib.global_array(x, out_sharding) for x in (key, eos))
+  out_sharding = None if mesh is None else sharding_lib.replicated(mesh)
+  (tokens_j, lengths_j), (key, eos) = _place(out_sharding, (tokens, row_lengths), (key, eos))
+  if mesh is not None:
     sampler = jax.tree.map(lambda x: sharding_lib.global_array(x, out_sharding), sampler)
   return _Inputs(ids=ids, lengths=lengths, rows=rows, length=length,
                  max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, plan=plan,
