@@ -48,7 +48,7 @@ from rocketkv_jax.cache import KVCache, extend, grow
 from rocketkv_jax.config import RocketConfig, check_num_layers
 from rocketkv_jax.config import plan as make_plan
 from rocketkv_jax.generate import (PROGRAMS, GenerationResult, ProgramCache, _decode, _host_out,
-                                   _kv_stats, _peak_bytes, _place, _prepare, _Progress,
+                                   _kv_stats, _pad_rows, _peak_bytes, _place, _prepare, _Progress,
                                    _prompt_list, _run, _stats, check_args, token_ids)
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.api import as_model
@@ -272,10 +272,7 @@ class Conversation:
     check_num_layers(plan, config.num_layers)
     # the programs' rows: a mesh's "dp" padding repeats the last conversation (its cache holds
     # that conversation's tokens at the same positions, so its lengths and trim fit it too)
-    rows = list(range(n)) + [n - 1] * (inp.rows - n)
-    tokens = np.zeros((inp.rows, t), np.int32)
-    for b, r in enumerate(rows):
-      tokens[b, :len(ids[r])] = ids[r]
+    tokens, rows = _pad_rows(ids, inp.rows, t)
     params, _, _, _, sampler = inp.prefill_args
     key = np.asarray(jax.random.fold_in(jax.random.PRNGKey(self._generate_args["seed"]),
                                         self.turn))

@@ -355,6 +355,16 @@ def check_args(*, method, max_new_tokens, temperature, top_p, sampler, seed, eos
                      f"{eos_token_ids!r}")
 
 
+def _pad_rows(ids: list, rows: int, length: int) -> tuple[np.ndarray, list[int]]:
+  """`ids` right-padded into tokens [rows, length], the rows past len(ids) copies of the last
+  one (a mesh's "dp" padding, dropped at the end); also each row's index into `ids`."""
+  index = list(range(len(ids))) + [len(ids) - 1] * (rows - len(ids))
+  tokens = np.zeros((rows, length), np.int32)
+  for b, i in enumerate(index):
+    tokens[b, :len(ids[i])] = ids[i]
+  return tokens, index
+
+
 def _place(out_sharding, batch: tuple, replicated: tuple) -> tuple[list, list]:
   """Host arrays as program inputs: on the default device, or (on `out_sharding`'s mesh) as
   global arrays, `batch` split over "dp" on its leading axis and `replicated` replicated;
@@ -392,10 +402,8 @@ def _prepare(model, prompts, *, method, token_budget, max_new_tokens, temperatur
   mesh = sharding_lib.mesh_of(model.params)
   dp = 1 if mesh is None else sharding_lib.axis_size(mesh, "dp")
   rows = -(-len(ids) // dp) * dp  # padded with copies of the last prompt, dropped at the end
-  tokens = np.zeros((rows, length), np.int32)
-  for i, p in enumerate(ids + [ids[-1]] * (rows - len(ids))):
-    tokens[i, :len(p)] = p
-  row_lengths = np.concatenate([lengths, np.full(rows - len(ids), lengths[-1], np.int32)])
+  tokens, index = _pad_rows(ids, rows, length)
+  row_lengths = lengths[index]
   if eos_token_ids is None:
     eos_token_ids = decode_loop.default_eos_ids(model)
   eos = np.asarray(decode_loop.eos_array(eos_token_ids))
