@@ -9,6 +9,10 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+from xla_env import with_fast_compile  # noqa: E402  (tests/ is on sys.path)
+
+os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -148,8 +148,6 @@ def gemma3_checkpoint(seed: int = 0):
 
 _HOST_DEVICES_PREAMBLE = """\
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count={devices}"
-os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, {tests!r})
 import jax
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -170,8 +168,9 @@ def run_on_host_devices(body: str, devices: int, timeout: int = 600):
   import sys
   import textwrap
 
+  from xla_env import child_env
+
   tests = os.path.dirname(os.path.abspath(__file__))
   script = _HOST_DEVICES_PREAMBLE.format(devices=devices, tests=tests) + textwrap.dedent(body)
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                        timeout=timeout)
+  return subprocess.run([sys.executable, "-c", script], env=child_env(devices),
+                        capture_output=True, text=True, timeout=timeout)

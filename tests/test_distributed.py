@@ -20,6 +20,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from model_fixtures import random_tokens
+from xla_env import child_env
 
 # A hang guard (a deadlocked collective never returns), from the children's start: the test
 # takes ~77 s of CPU in all (3 processes), and far longer than that on a loaded machine.
@@ -97,8 +98,7 @@ def _start_processes(path: str, prompts, logs: str) -> list[subprocess.Popen]:
   """Starts the 2 children, their stdout / stderr in files under `logs` (a pipe nobody reads
   while they run could fill up and block them)."""
   coordinator = f"127.0.0.1:{_free_port()}"
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  env = child_env(devices=2)
   script = _CHILD.format(methods=METHODS, gen=GEN, short=min(LENGTHS), conv=CONV)
   procs = []
   for i in range(2):

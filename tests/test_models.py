@@ -16,6 +16,7 @@ import rocketkv_jax.models as M
 from rocketkv_jax.models import attention, llama
 from rocketkv_jax.models.config import ModelConfig
 from model_fixtures import PARITY_VARIANTS, hf_checkpoint, random_tokens
+from xla_env import as_users_compile
 
 
 def _torch_logits(model, tokens):
@@ -280,7 +281,7 @@ def test_full_kv_keeps_each_layer_apart_and_its_prompt_pass_stays_small():
   def temps(n):
     fn = jax.jit(lambda p, t, ln: llama.prefill(p, t, ln, config=cfg(n), plan=plan,
                                                 stacked=True))
-    mem = fn.lower(llama.init_params(cfg(n)), tokens, lengths).compile().memory_analysis()
+    mem = as_users_compile(fn.lower(llama.init_params(cfg(n)), tokens, lengths)).memory_analysis()
     return mem.temp_size_in_bytes
 
   attn_out = 4 * 4 * 1024 * 8 * 4  # one layer's attention output [B, Hq, L, Dh] fp32
