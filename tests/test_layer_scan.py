@@ -68,8 +68,8 @@ def _assert_same_caches(stack, unrolled):
 
 
 def test_scanned_decode_scatters_rows_above_16_sequences():
-  """Above 16 sequences the rows are scattered. (XLA:CPU's older fusion code generator, which the
-  tests use, rounds this scatter differently in the two programs: ~5e-8.)"""
+  """Above 16 sequences the rows are scattered. (Compiled as users' programs: XLA:CPU's older
+  fusion code generator, which the tests use, rounds this scatter differently in the two.)"""
   (want, unrolled), (got, stack) = _both("rocketkv:quant", batch=18, users_compile=True)
   np.testing.assert_array_equal(got, want)
   _assert_same_caches(stack, unrolled)

@@ -2,8 +2,8 @@
 
 The suite's programs are tiny, so its time goes to XLA:CPU's compiles, not to running them.
 FAST_COMPILE lowers LLVM's optimization level and uses XLA:CPU's older fusion code generator,
-which compiles a tiny model's programs about 2.3x faster (docs/cpu_performance.md has the
-measurement). The second changes the compiled HLO, so the tests that inspect compiled programs
+which compiles a tiny model's programs in about half the time (docs/cpu_performance.md has
+the measurement). The second changes the compiled HLO, so the tests that inspect compiled programs
 (copies, temporaries) compile them with `as_users_compile`, XLA's default options.
 """
 
