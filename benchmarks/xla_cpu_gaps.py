@@ -166,7 +166,6 @@ def gather_rows(batch, hkv, c, d, k, layers, repeats):
 def prefill_rows(n, d, f, hq, hkv, dh, repeats, square=2048):
   """One prefill layer's parts at an n-token prompt: (name, s, GFLOP/s, the square matmul's)."""
   import jax
-  import jax.numpy as jnp
 
   from rocketkv_jax.models.attention import blockwise_causal_attention
 
@@ -200,6 +199,11 @@ def _parser():
   return p
 
 
+def _rate(x: float) -> str:
+  """A rate to 3 significant digits (--quick's are tiny), so the ratio beside it can be checked."""
+  return f"{x:.1f}" if x >= 100 else f"{x:.3g}"
+
+
 def main(argv=None) -> int:
   a = _parser().parse_args(argv)
   if a.repeats < 1:
@@ -227,13 +231,12 @@ def main(argv=None) -> int:
     if gbs is None:
       print(f"| {name} | {1e3 * s:.2f} | - | - | - |")
     else:
-      rate = lambda x: f"{x:.1f}" if x >= 1 else f"{x:.3f}"  # --quick's tiny rates
-      print(f"| {name} | {1e3 * s:.2f} | {rate(gbs)} | {rate(read)} | {read / gbs:.1f}x |")
+      print(f"| {name} | {1e3 * s:.2f} | {_rate(gbs)} | {_rate(read)} | {read / gbs:.1f}x |")
   print(f"\n| prefill op (one layer) | ms | GFLOP/s | GFLOP/s of a {pre[-1] if a.quick else 2048}^3 "
         "matmul | ratio |")
   print("|---|---:|---:|---:|---:|")
   for name, s, rate, ref in flops:
-    print(f"| {name} | {1e3 * s:.2f} | {rate:.1f} | {ref:.1f} | {ref / rate:.1f}x |")
+    print(f"| {name} | {1e3 * s:.2f} | {_rate(rate)} | {_rate(ref)} | {ref / rate:.1f}x |")
   return 0
 
 

@@ -21,6 +21,25 @@ import rocketkv_jax  # noqa: E402,F401  (sets its XLA:CPU flag before any backen
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+# Memory for one test worker: the largest process of a 2-worker run peaked at 5.9 GB
+# (docs/cpu_performance.md, "The tests and CI").
+WORKER_GIB = 6
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+  """`-n auto` (pytest-xdist): one worker per core this process may use, but no more than the
+  memory holds at WORKER_GIB each; PYTEST_XDIST_AUTO_NUM_WORKERS overrides, as in xdist."""
+  if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").isdigit():
+    return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  try:
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+  except (ValueError, OSError, AttributeError):  # no sysconf for it on this platform
+    return max(1, cores or 1)
+  return max(1, min(cores or 1, int(memory_gib // WORKER_GIB)))
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
   """Drops every compiled program after each test module. XLA:CPU maps each program's machine

@@ -92,3 +92,11 @@ def test_relative_links_resolve(page):
       elif anchor not in anchors(dest):
         bad.append(f"{target}: no heading with that anchor in {dest.relative_to(ROOT)}")
   assert not bad, "\n".join(bad)
+
+
+def test_readme_test_command_is_what_ci_runs():
+  """The README promises its test command is exactly `.ci/run`'s last step."""
+  readme = (ROOT / "README.md").read_text(encoding="utf-8")
+  ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()[-1]
+  assert ci.startswith("python3 -m pip install") and "pytest" in ci
+  assert f"\n    {ci}\n" in readme

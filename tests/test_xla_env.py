@@ -1,5 +1,6 @@
 """The suite compiles with tests/xla_env.py's FAST_COMPILE flags; the tests that inspect compiled
-programs use `as_users_compile`, which must build the program of a process without those flags."""
+programs use `as_users_compile`, which must build the program of a process without those flags.
+`-n auto` sizes its workers by cores and memory (conftest)."""
 
 import os
 import re
@@ -40,3 +41,21 @@ def test_as_users_compile_builds_what_a_process_without_the_test_flags_builds():
   users = _hlo(child.stdout)
   assert _hlo(as_users_compile(scope["lowered"]).as_text()) == users
   assert _hlo(scope["lowered"].compile().as_text()) != users  # the test flags are in effect
+
+
+def test_auto_workers_are_bounded_by_cores_and_memory(monkeypatch):
+  import conftest
+
+  def machine(cores, gib):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": gib * 2**30 // 4096}
+    monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
+    return conftest.pytest_xdist_auto_num_workers(None)
+
+  monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
+  assert conftest.WORKER_GIB == 6
+  assert machine(2, 24) == 2            # this project's CI machine: one worker per core
+  assert machine(64, 24) == 4           # many cores, 24 GiB: 6 GiB per worker
+  assert machine(8, 5) == 1             # never fewer than one
+  monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "3")
+  assert machine(64, 512) == 3
