@@ -162,6 +162,7 @@ def gemma3_path() -> str:
     os.close(fd)
     try:
       package.assemble(output_path=partial, overwrite=True)
+      os.chmod(partial, 0o644)  # mkstemp's 0600 would differ from the package's own file
       os.replace(partial, target)
     finally:
       if os.path.exists(partial):

@@ -319,3 +319,4 @@ def test_gemma3_path_assembles_once_for_concurrent_callers(tmp_path, monkeypatch
   assert results == [str(target)] * 4
   assert target.read_bytes() == whole
   assert sorted(p.name for p in tmp_path.iterdir()) == ["gemma.gguf"]
+  assert target.stat().st_mode & 0o777 == 0o644
