@@ -5,7 +5,6 @@ numbers saved in tests/data/gemma3_270m_reference.npz by tests/data/make_gemma3_
 import importlib.util
 import os
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -22,21 +21,17 @@ _CACHE = {}
 
 def _model():
   if "model" not in _CACHE:
-    t0 = time.perf_counter()
     _CACHE["model"] = M.load(M.gemma3_path())
-    _CACHE["load_s"] = time.perf_counter() - t0
   return _CACHE["model"]
 
 
-def test_config_tokenizer_and_load_time():
+def test_config_and_tokenizer():
   ref = np.load(REFERENCE)
   model = _model()
   c = model.config
   assert (c.architecture, c.num_layers, c.sliding_window, c.head_dim) == ("gemma3", 18, 512, 256)
   assert c.window_layers == tuple(i for i in range(18) if i % 6 != 5)
   assert model.tokenizer.encode(str(ref["test_string"])) == ref["test_string_ids"].tolist()
-  print(f"our GGUF load: {_CACHE['load_s']:.1f} s")
-  assert _CACHE["load_s"] < 60  # target < 20 s on an idle machine
 
 
 def test_logits_match_transformers():
