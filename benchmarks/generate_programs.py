@@ -27,10 +27,10 @@ import jax.numpy as jnp
 
 import rocketkv_jax as rocketkv
 import rocketkv_jax.models as M
-from rocketkv_jax import sampling
+from rocketkv_jax.runtime import sampling
 from rocketkv_jax.models import llama
 
-generate_lib = sys.modules["rocketkv_jax.generate"]  # the module (the package exports the function)
+generate_lib = sys.modules["rocketkv_jax.runtime.generate"]  # the module (the package exports the function)
 
 
 def main(argv=None):

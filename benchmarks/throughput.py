@@ -195,7 +195,7 @@ def _ours_row(spec: dict, ids: list[list[int]]) -> dict:
 
   import rocketkv_jax as rocketkv
 
-  gen_mod = importlib.import_module("rocketkv_jax.generate")  # the module, not the function
+  gen_mod = importlib.import_module("rocketkv_jax.runtime.generate")  # the module, not the function
   model = rocketkv.models.load(spec["model"], dtype=getattr(jnp, spec["dtype"]))
   ph.mark("load")
 

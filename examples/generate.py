@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 
 import rocketkv_jax as rocketkv
-from rocketkv_jax import sampling
+from rocketkv_jax.runtime import sampling
 from rocketkv_jax.eval import variants
 from rocketkv_jax.models import llama
 

@@ -4,7 +4,7 @@ sample, on the same exported synthetic samples.
     python examples/lm_eval_crosscheck.py --task niah_single --lengths 2048 4096 --samples 20 \\
         --budget 256 --batch-size 5 --out results/lm_eval_crosscheck
 
-For each length: `rocketkv_jax.lm_eval export` writes the samples as an lm-eval task; lm-eval's
+For each length: `rocketkv_jax.eval.lm_eval export` writes the samples as an lm-eval task; lm-eval's
 `simple_evaluate` runs it with the backend for method=full and method=rocketkv (greedy, stop at
 EOS, the task's max_gen_toks); our harness (`harness.run_sweep`) runs the same (seed, samples)
 with the same methods and batch size. Writes <out>/crosscheck.json (every prediction of both)
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
   from lm_eval.tasks import TaskManager
 
   import rocketkv_jax.models as M
-  from rocketkv_jax import lm_eval as backend
+  from rocketkv_jax.eval import lm_eval as backend
   from rocketkv_jax.eval import harness, lm_eval_export
 
   model = M.load(M.smollm2_path())

@@ -25,9 +25,10 @@ from rocketkv_jax.multiturn import MTState, begin_turn  # noqa: E402
 from rocketkv_jax.methods.stage2 import LowRank, MinMax, Quant, Rerank, Stage2  # noqa: E402
 from rocketkv_jax.methods.stage2.lowrank import LowRankState  # noqa: E402
 from rocketkv_jax.methods.stage2.quant import QuantState  # noqa: E402
-from rocketkv_jax.generate import GenerationResult, generate  # noqa: E402
-from rocketkv_jax.conversation import Conversation  # noqa: E402
-from rocketkv_jax.teacher_forced import ContinuationScores, score_continuations  # noqa: E402
+from rocketkv_jax.runtime.generate import GenerationResult, generate  # noqa: E402
+from rocketkv_jax.runtime.conversation import Conversation  # noqa: E402
+from rocketkv_jax.runtime.teacher_forced import ContinuationScores, score_continuations  # noqa: E402
+from rocketkv_jax.runtime import sampling  # noqa: E402  (rocketkv.sampling.TopK, ...)
 
 __all__ = [
     "ContinuationScores", "Conversation", "GROUP_DIMS", "GenerationResult", "KVCache", "LowRank", "LowRankState",
@@ -37,5 +38,5 @@ __all__ = [
     "begin_turn", "cache_overflow", "chunk_summaries",
     "decode_step", "empty_cache", "evict", "extend", "full_cache", "generate", "last_valid_window",
     "plan", "prefill",
-    "score_continuations", "select",
+    "sampling", "score_continuations", "select",
 ]

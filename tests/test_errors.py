@@ -171,15 +171,15 @@ def _without(module: str, code: str):
 
 
 def test_missing_optional_extras_say_what_to_install():
-  r = _without("lm_eval", "import rocketkv_jax.lm_eval")
+  r = _without("lm_eval", "import rocketkv_jax.eval.lm_eval")
   assert r.returncode == 1
   assert r.stderr.strip().splitlines()[-1] == (
-      'ImportError: rocketkv_jax.lm_eval needs lm-eval: pip install -e ".[lm-eval]"')
-  r = _without("lm_eval", "import runpy; runpy.run_module('rocketkv_jax.lm_eval', "
+      'ImportError: rocketkv_jax.eval.lm_eval needs lm-eval: pip install -e ".[lm-eval]"')
+  r = _without("lm_eval", "import runpy; runpy.run_module('rocketkv_jax.eval.lm_eval', "
                           "run_name='__main__')")
   assert r.returncode == 2
   assert r.stderr.strip().splitlines()[-1] == (
-      'error: rocketkv_jax.lm_eval needs lm-eval: pip install -e ".[lm-eval]"')
+      'error: rocketkv_jax.eval.lm_eval needs lm-eval: pip install -e ".[lm-eval]"')
   r = _without("matplotlib", "from rocketkv_jax.eval import report; report._pyplot()")
   assert r.returncode == 1
   assert r.stderr.strip().splitlines()[-1] == (

@@ -10,7 +10,7 @@ import pytest
 
 import rocketkv_jax as rocketkv
 from eval_fixtures import tiny_model
-from rocketkv_jax.conversation import turn_text
+from rocketkv_jax.runtime.conversation import turn_text
 from rocketkv_jax.eval import harness, report, tasks
 from rocketkv_jax.eval.runner import Runner
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from eval_fixtures import ByteTokenizer
-from rocketkv_jax.conversation import turn_text
+from rocketkv_jax.runtime.conversation import turn_text
 from rocketkv_jax.eval import longbench, metrics, report, tasks
 
 TOK = ByteTokenizer()

@@ -11,7 +11,8 @@ import numpy as np
 
 import rocketkv_jax as rocketkv
 import rocketkv_jax.models as M
-from rocketkv_jax import methods, sampling
+from rocketkv_jax import methods
+from rocketkv_jax.runtime import sampling
 from model_fixtures import (PARITY_VARIANTS, hf_checkpoint, random_tokens, smollm2_ours,
                             smollm2_transformers)
 
@@ -277,7 +278,7 @@ def test_full_cache_raises_on_the_host(monkeypatch):
     return dataclasses.replace(p, capacity=p.capacity - 3, chunk_size=p.capacity - 3)
 
   import sys
-  monkeypatch.setattr(sys.modules["rocketkv_jax.generate"], "make_plan", short_plan)
+  monkeypatch.setattr(sys.modules["rocketkv_jax.runtime.generate"], "make_plan", short_plan)
   with pytest.raises(RuntimeError, match="KV cache overflow"):
     rocketkv.generate(model, _prompts(), method="streamingllm", token_budget=32,
                       max_new_tokens=6, eos_token_ids=())
@@ -288,7 +289,7 @@ def test_program_cache_keeps_the_most_recent_programs():
   then compiles again; a program used in between stays."""
   import numpy as np
 
-  from rocketkv_jax.generate import ProgramCache
+  from rocketkv_jax.runtime.generate import ProgramCache
 
   cache = ProgramCache(max_programs=2)
   fn = lambda x, *, scale: x * scale  # noqa: E731
@@ -309,7 +310,7 @@ def test_program_cache_keeps_the_most_recent_programs():
 def test_stream_callbacks_are_per_call():
   """One compiled streaming program serves calls with different callbacks: each call's tokens
   reach its own callback only, and none stays registered after the call."""
-  from rocketkv_jax.generate import ProgramCache
+  from rocketkv_jax.runtime.generate import ProgramCache
 
   path, _ = hf_checkpoint("llama31")
   model = M.load(path)

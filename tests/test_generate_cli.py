@@ -168,7 +168,7 @@ def test_method_recommended_is_the_recommended_config(monkeypatch):
 
 
 def test_sampling_flags_pick_the_strategy(monkeypatch):
-  from rocketkv_jax import sampling
+  from rocketkv_jax.runtime import sampling
   script = _load_script(monkeypatch)
   parse = script._parser().parse_args
   assert script._sampler(parse([])) == sampling.Greedy()

@@ -17,7 +17,7 @@ import lm_eval  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
 import rocketkv_jax as rocketkv  # noqa: E402
-from rocketkv_jax import lm_eval as backend  # noqa: E402
+from rocketkv_jax.eval import lm_eval as backend# noqa: E402
 from rocketkv_jax.eval import lm_eval_export, tasks as tasks_lib  # noqa: E402
 from eval_fixtures import tiny_model  # noqa: E402
 

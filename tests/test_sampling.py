@@ -1,4 +1,4 @@
-"""Sampling strategies (`rocketkv_jax.sampling`): each draws from the distribution it names,
+"""Sampling strategies (`rocketkv_jax.runtime.sampling`): each draws from the distribution it names,
 checked by frequencies against a float64 NumPy reference."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rocketkv_jax import sampling
+from rocketkv_jax.runtime import sampling
 
 LOGITS = np.array([[2.0, 1.5, 0.3, -1.0, 1.9, 0.0, -0.5, 1.0],
                    [0.1, 0.2, 3.0, 2.9, -2.0, 0.5, 2.5, 0.4]], np.float32)  # [B=2, V=8]

@@ -60,7 +60,7 @@ import jax
 import numpy as np
 
 from rocketkv_jax import methods as methods_lib
-from rocketkv_jax.conversation import turn_text
+from rocketkv_jax.runtime.conversation import turn_text
 from rocketkv_jax.eval import longbench, tasks as tasks_lib, variants
 from rocketkv_jax.eval.runner import Runner, as_cache, layer_states
 

@@ -1,8 +1,8 @@
 """Exports our synthetic tasks (`tasks.py`) as lm-evaluation-harness tasks: JSON lines + YAML.
 
-    python -m rocketkv_jax.lm_eval export --tasks niah_single --lengths 1024 --samples 4 \\
+    python -m rocketkv_jax.eval.lm_eval export --tasks niah_single --lengths 1024 --samples 4 \\
         --seed 0 --out lm_eval_tasks/
-    python -m rocketkv_jax.lm_eval --model_args method=rocketkv,token_budget=256 \\
+    python -m rocketkv_jax.eval.lm_eval --model_args method=rocketkv,token_budget=256 \\
         --tasks rocketkv_niah_single_1024 --include_path lm_eval_tasks/
 
 Per (task, length) the samples are exactly those of our harness for the same (seed, sample
@@ -37,7 +37,7 @@ import os
 import sys
 
 METRIC_FILE = "rocketkv_metric.py"
-_METRIC_SOURCE = '''"""Scores of rocketkv-jax's synthetic tasks (written by `rocketkv_jax.lm_eval export`; the
+_METRIC_SOURCE = '''"""Scores of rocketkv-jax's synthetic tasks (written by `rocketkv_jax.eval.lm_eval export`; the
 same definitions as `rocketkv_jax.eval.tasks.score`)."""
 
 
@@ -127,7 +127,7 @@ def export(model, out_dir: str, tasks, lengths, samples: int, seed: int = 0,
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m rocketkv_jax.lm_eval export",
+  p = argparse.ArgumentParser(prog="python -m rocketkv_jax.eval.lm_eval export",
                               description="Write rocketkv-jax synthetic tasks as lm-eval tasks.")
   p.add_argument("--tasks", default="niah_single",
                  help="comma-separated task names (rocketkv_jax.eval.tasks.TASKS)")

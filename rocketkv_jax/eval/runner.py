@@ -47,7 +47,7 @@ import numpy as np
 
 import rocketkv_jax as rocketkv
 from rocketkv_jax import cache as cache_lib
-from rocketkv_jax import conversation, decode_loop, sampling, teacher_forced
+from rocketkv_jax.runtime import conversation, decode_loop, sampling, teacher_forced
 from rocketkv_jax import methods as methods_lib
 from rocketkv_jax.config import check_num_layers
 from rocketkv_jax.eval import variants

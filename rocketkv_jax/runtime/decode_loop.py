@@ -5,7 +5,7 @@
     rows = strip_eos(state.tokens, state.step, eos_ids)
 
 One `lax.while_loop` on device: each iteration runs the model's decode step on the last
-sampled token, samples the next one (`rocketkv_jax.sampling`), and stops when every sequence
+sampled token, samples the next one (`rocketkv_jax.runtime.sampling`), and stops when every sequence
 has sampled an EOS or `max_new_tokens` tokens exist. Nothing syncs with the host per step.
 
 EOS rule (one for both callers): `eos_token_ids=None` means the model's (tokenizer's, else its

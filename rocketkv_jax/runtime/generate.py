@@ -48,7 +48,7 @@ Decisions where the issue is silent:
     is dropped too (`decode_loop`'s EOS rule).
   * `temperature == 0` is greedy (argmax); otherwise softmax(logits / temperature) restricted to
     the smallest top-p nucleus, with `jax.random` keyed by `seed` and the step index
-    (`rocketkv_jax.sampling`); `sampler=` takes any strategy there (`TopK`) or one's own.
+    (`rocketkv_jax.runtime.sampling`); `sampler=` takes any strategy there (`TopK`) or one's own.
   * A cache overflow (an append into a full cache, which the core drops) raises RuntimeError on
     the host after the loop; it cannot happen with a plan made for these lengths.
   * Stats: per row, `kv_tokens_kept_per_row` is the number of valid cache slots per KV head
@@ -84,7 +84,8 @@ import jax.numpy as jnp
 from jax.experimental import io_callback
 import numpy as np
 
-from rocketkv_jax import decode_loop, methods, sampling
+from rocketkv_jax import methods
+from rocketkv_jax.runtime import decode_loop, sampling
 from rocketkv_jax.cache import cache_overflow
 from rocketkv_jax.config import RocketConfig, check_num_layers
 from rocketkv_jax.config import plan as make_plan

@@ -1,12 +1,12 @@
 """An lm-evaluation-harness backend, registered as "rocketkv", and its command line.
 
     pip install -e ".[lm-eval]"
-    python -m rocketkv_jax.lm_eval --model_args method=rocketkv,token_budget=256 \\
+    python -m rocketkv_jax.eval.lm_eval --model_args method=rocketkv,token_budget=256 \\
         --tasks my_task --include_path my_tasks/          # forwards to lm-eval's CLI
-    python -m rocketkv_jax.lm_eval export --tasks niah_single --lengths 1024 --samples 4 \\
+    python -m rocketkv_jax.eval.lm_eval export --tasks niah_single --lengths 1024 --samples 4 \\
         --out my_tasks/                                   # our synthetic tasks as lm-eval tasks
 
-From Python: `import rocketkv_jax.lm_eval` registers the model; then
+From Python: `import rocketkv_jax.eval.lm_eval` registers the model; then
 `lm_eval.simple_evaluate(model="rocketkv", model_args="method=rocketkv,...", tasks=[...])`, or
 pass an instance: `simple_evaluate(model=RocketKVLM(pretrained=model), ...)`.
 
@@ -76,14 +76,15 @@ try:
 except ModuleNotFoundError as e:  # the optional extra is missing: one line, not a traceback
   if not (e.name or "").startswith("lm_eval"):
     raise
-  _MSG = 'rocketkv_jax.lm_eval needs lm-eval: pip install -e ".[lm-eval]"'
+  _MSG = 'rocketkv_jax.eval.lm_eval needs lm-eval: pip install -e ".[lm-eval]"'
   if __name__ == "__main__":
     print(f"error: {_MSG}", file=sys.stderr)
     sys.exit(2)
   raise ImportError(_MSG) from None
 
 import rocketkv_jax as rocketkv
-from rocketkv_jax import methods, sampling
+from rocketkv_jax import methods
+from rocketkv_jax.runtime import sampling
 from rocketkv_jax.methods import stage2 as stage2_lib
 from rocketkv_jax.models import llama
 
@@ -484,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
   # Run the canonical module (registered once) rather than this __main__ copy.
-  from rocketkv_jax.lm_eval import main as _main
+  from rocketkv_jax.eval.lm_eval import main as _main
 
   sys.exit(_main())
 else:

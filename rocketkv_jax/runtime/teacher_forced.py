@@ -49,7 +49,7 @@ from rocketkv_jax import methods
 from rocketkv_jax.cache import cache_overflow
 from rocketkv_jax.config import RocketConfig
 from rocketkv_jax.config import plan as make_plan
-from rocketkv_jax.generate import token_ids
+from rocketkv_jax.runtime.generate import token_ids
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.api import as_model
 

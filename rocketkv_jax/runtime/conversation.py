@@ -43,13 +43,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rocketkv_jax import decode_loop, methods
+from rocketkv_jax import methods
+from rocketkv_jax.runtime import decode_loop
 from rocketkv_jax.cache import KVCache, extend, grow
 from rocketkv_jax.config import RocketConfig, check_num_layers
 from rocketkv_jax.config import plan as make_plan
-from rocketkv_jax.generate import (PROGRAMS, GenerationResult, ProgramCache, _decode, _host_out,
-                                   _kv_stats, _pad_rows, _peak_bytes, _place, _prepare, _Progress,
-                                   _prompt_list, _run, _stats, check_args, token_ids)
+from rocketkv_jax.runtime.generate import (PROGRAMS, GenerationResult, ProgramCache, _decode,
+                                           _host_out, _kv_stats, _pad_rows, _peak_bytes, _place,
+                                           _prepare, _Progress, _prompt_list, _run, _stats,
+                                           check_args, token_ids)
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.api import as_model
 from rocketkv_jax.models.precision import compute_params
