@@ -132,9 +132,9 @@ def test_chat_turns_continue_the_template():
   r2 = conv.send("Repeat it in capitals.")
   ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": doc}]),
                    add_special_tokens=False) + r1.tokens[0]
-  ids += tok.encode(rocketkv.conversation.turn_text(tok, "Repeat it in capitals."),
+  ids += tok.encode(rocketkv.runtime.conversation.turn_text(tok, "Repeat it in capitals."),
                     add_special_tokens=False)
-  assert rocketkv.conversation.turn_text(tok, "Q").startswith("<|im_end|>")
+  assert rocketkv.runtime.conversation.turn_text(tok, "Q").startswith("<|im_end|>")
   want = rocketkv.generate(model, [ids], method="full", max_new_tokens=12)
   assert r2.tokens == want.tokens
   assert r2.stats["context_lengths"] == [len(ids)]
