@@ -7,14 +7,15 @@
 Modules: `config` (ModelConfig), `rope`, `attention` (blockwise causal prefill), `llama`
 (the pure network: forward / prefill / decode_step), `hf_loader`, `gguf_loader`, `tokenizer`,
 `checkpoint` (orbax), `sharding` (the dp / tp mesh), `distributed` (multi-process start-up),
-`api` (load / load_config / Model / as_model / smollm2_path / gemma3_path), `nnx_model` (the
+`api` (load / load_config / resolve / Model / as_model / smollm2_path / gemma3_path), `nnx_model` (the
 decoder as a Flax NNX module, `Model.module`, whose `nnx.split` state drives jitted programs).
 """
 
-from rocketkv_jax.models.api import Model, as_model, gemma3_path, load, load_config, smollm2_path
+from rocketkv_jax.models.api import (NAMED, Model, as_model, gemma3_path, load, load_config,
+                                     resolve, smollm2_path)
 from rocketkv_jax.models.config import ModelConfig, RopeScaling
 from rocketkv_jax.models.errors import CheckpointError
 from rocketkv_jax.models.tokenizer import Tokenizer
 
-__all__ = ["CheckpointError", "Model", "ModelConfig", "RopeScaling", "Tokenizer", "as_model",
-           "gemma3_path", "load", "load_config", "smollm2_path"]
+__all__ = ["CheckpointError", "Model", "ModelConfig", "NAMED", "RopeScaling", "Tokenizer",
+           "as_model", "gemma3_path", "load", "load_config", "resolve", "smollm2_path"]

@@ -170,6 +170,22 @@ def gemma3_path() -> str:
   return os.fspath(package.assemble())
 
 
+NAMED = ("smollm2", "gemma3")  # models `resolve` knows by name (shipped as packages)
+
+
+def resolve(model: str | None) -> str:
+  """The checkpoint path of `model`: "smollm2" (the default, also for None), "gemma3", an HF
+  directory or a .gguf file. ValueError naming the choices for anything else."""
+  if model is None or model == "smollm2":
+    return smollm2_path()
+  if model == "gemma3":
+    return gemma3_path()
+  if not isinstance(model, str) or not os.path.exists(model):
+    raise ValueError(f"model must be one of {list(NAMED)}, an HF directory or a .gguf file, "
+                     f"got {model!r}")
+  return model
+
+
 def _kind(path: str) -> str:
   """"hf" or "gguf" for a checkpoint path; errors name the path and what was expected."""
   if not os.path.exists(path):
