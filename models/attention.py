@@ -8,11 +8,8 @@ constant triangular bias. An online softmax (running max / running sum, float32)
 visited blocks, so the largest intermediate is `[B, Hkv, G, block, block]` and an `[L, L]` score
 matrix is never materialised: an 8K prompt costs O(L * block) memory per layer.
 
-What it costs on XLA:CPU (`benchmarks/profile_prefill_attention.py`; SmolLM2 shapes, fp32): the
-two products per tile run at ~230-260 GFLOP/s; the exp and the row sum and max are the rest.
-Choices that were measured: q is scaled once rather than every score tile (a separate pass over
-each tile otherwise); 512-row tiles beat 256 and 1024 at 2K-8K tokens; the diagonal tile is
-visited first (see `one_query_block`). Together they took an 8K layer from 0.75 to 0.55 s.
+On XLA:CPU q is scaled once rather than every score tile, tiles are 512 rows, and the
+diagonal tile is visited first (`one_query_block`); why: docs/roofline.md#prefill.
 
 Right-padded batches need no extra mask: a padded query at index p >= length still sees the
 valid keys (and itself), so no row is ever fully masked, and padded rows are ignored downstream.
@@ -55,9 +52,8 @@ def blockwise_causal_attention(
   if block_size < 1:
     raise ValueError(f"block_size must be >= 1, got {block_size}")
   if b > 1 and jax.default_backend() == "cpu":
-    # On CPU, one sequence at a time: the score tiles stay [1, Hkv, G, bs, bs] and in cache.
-    # A batched tile of 10 2K prompts was ~20% slower per layer than 10 single ones
-    # (`benchmarks/profile_prefill_attention.py --batch`).
+    # On CPU, one sequence at a time: the score tiles stay [1, Hkv, G, bs, bs] and in cache
+    # (batched tiles are slower per layer: docs/roofline.md#prefill).
     # The outputs overwrite the queries row by row (row b is read before it is written): a
     # loop that makes its own output buffer starts it as a constant, which XLA may schedule at
     # the start of the program -- in an unrolled prompt pass, one per layer, all live at once.
@@ -119,8 +115,8 @@ def blockwise_causal_attention(
     if sliding_window is None:
       # the diagonal tile first (the online softmax is order-free), then the blocks strictly
       # below it, which are fully visible: no mask work at all. (Diagonal last let XLA:CPU fuse
-      # that tile's max, exp, sum, product and the final divide into one library call that ran
-      # ~1.3x slower than the same ops apart.)
+      # that tile's max, exp, sum, product and the final divide into one slower library call:
+      # docs/roofline.md#prefill.)
       carry = visit(i, init)
       _, l, acc = lax.fori_loop(first, i, lambda j, c: visit(j, c, masked=False), carry)
     else:

@@ -76,8 +76,8 @@ _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "
 
 def _parse(path: str) -> GGUFFile:
   """Reads the header of a little-endian GGUF v2 / v3 file; tensor data stay memory-mapped.
-  (Our own parser: `gguf.GGUFReader` builds a view per array element, ~25 s for a 262K-token
-  vocabulary.)"""
+  (Our own parser: `gguf.GGUFReader` builds a view per array element, slow for a large
+  vocabulary: docs/gemma3.md.)"""
   import gguf
 
   mm = np.memmap(path, dtype=np.uint8, mode="r")

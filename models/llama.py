@@ -14,19 +14,12 @@ unrolls the layers over the per-layer weights and a per-layer tuple of KV states
 reads each weight in place and updates each donated cache in place (a scan over stacked
 layers would slice, i.e. copy, every layer's weights and cache every step).
 
-Mistral is the same network; its v0.1 sliding window is `config.sliding_window`, honoured by
-the blockwise prefill and handed to the KV method at decode time (every layer is sliding, so
-the KV method keeps and compresses the whole prompt there). Gemma 3 is the same loop with
-config-driven differences (`ModelConfig.gemma`: scaled embeddings, q/k norms, post-norms,
-GeGLU, per-layer RoPE base, query scale, logit softcap) and hybrid layers: its sliding layers
-(`config.window_layers`) keep a bounded cache of the last `sliding_window` prompt tokens plus
-the new ones and attend to it exactly (`window_cache` / `window_decode`); the KV method runs on
-the full layers only (docs/gemma3.md). Activations run in the
-parameter dtype (fp32 or bf16) -- except bf16 on a CPU where XLA runs no native bf16 dots, which
-computes in fp32 and keeps bf16 weights and K/V caches (`precision.py`); RMSNorm statistics,
-RoPE angles, softmax and logits are fp32.
-(A pure-function pytree was chosen over flax NNX modules: it is what `jit`, `lax.scan`,
-`lax.while_loop`, donation and orbax want to see, with nothing to split or merge.)
+Mistral (v0.1's `config.sliding_window`) and Gemma 3 (`ModelConfig.gemma`'s differences, and
+hybrid layers whose sliding layers keep a bounded window cache: `window_cache` /
+`window_decode`) run the same loop; the KV method runs on the full layers (docs/gemma3.md).
+Activations run in the parameter dtype except bf16 on a CPU without native bf16 dots, which
+computes in fp32 (`precision.py`); RMSNorm statistics, RoPE angles, softmax and logits are fp32.
+Why a pytree and not the NNX module: docs/design.md#models-as-flax-nnx-modules.
 
 Entry points:
   * `forward(params, tokens)` -- plain full-attention logits `[B, T, V]` (no cache).
@@ -342,8 +335,7 @@ def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
   # A method whose decode steps read every slot of every layer (full KV) gets each layer's cache
   # as its own buffer, the prompt pass unrolled: over a stacked group, the attention products
   # of a scanned decode step read the layer's K/V through a dynamic slice of the stack, which
-  # XLA:CPU copies out at every step (full KV at 8K x 4, SmolLM2: 280-300 ms of each step in
-  # per-op traces).
+  # XLA:CPU copies out at every step (docs/generation.md#models-and-generation).
   static = tuple(range(config.num_layers)) if method.dense else method.dense_layers(plan)
   sliding = config.window_layers  # a hybrid's sliding layers: a bounded cache of their own
 
@@ -548,7 +540,7 @@ def decode_step(params: Params, cache, tokens: jnp.ndarray, positions: jnp.ndarr
       else:
         # The weights stay per layer: each layer's dense math is a branch of a `lax.switch` on
         # the scanned index, reading its weights in place (a dynamic slice of stacked weights
-        # is a copy per layer and step on XLA:CPU: +47 ms a step at 4K x 4). The KV method's
+        # is a copy per layer and step on XLA:CPU: docs/generation.md). The KV method's
         # ops, most of a layer's ops, are compiled once. `layer=a`: no dense layer in the run.
         pres = [functools.partial(pre, lp, i=i) for i, lp in enumerate(layers[a:b], a)]
         posts = [functools.partial(post, lp) for lp in layers[a:b]]

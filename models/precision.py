@@ -5,9 +5,8 @@ matmuls also *run* in bf16 depends on the hardware and on XLA: XLA:CPU can keep 
 bf16 only where the CPU has bf16 dot instructions (AVX512-BF16 or AMX-BF16), and even there it
 may not: jaxlib 0.10.2 on an AVX512-BF16 AMD EPYC (no AMX) still wraps every bf16 dot in
 converts (bf16 -> fp32 inputs, an fp32 `__ynn_fusion` dot, fp32 -> bf16 output), as it does on
-CPUs without the instructions, and runs the elementwise ops the same way (on the earlier
-AVX2-only machine a bf16 prompt pass was ~1.2x slower than fp32 and a bf16 decode step ~1.5x,
-`benchmarks/end_to_end.py`; on the AVX512-BF16 one a bf16 2048^3 dot is slower than fp32).
+CPUs without the instructions, and runs the elementwise ops the same way, so bf16 computes
+no faster than fp32 there (docs/cpu_performance.md#bf16-on-cpu-issue-15-item-7).
 `native_bf16_cpu` therefore asks the compiler: the CPU must list the instructions *and* XLA:CPU
 must compile a small bf16 dot without any fp32 value in it (`_native_bf16_dot`, once per
 process).

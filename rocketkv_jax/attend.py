@@ -61,8 +61,8 @@ def sparse_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, idx: jax.Arra
     [B, Hq, D] in q's dtype (accumulated in float32); zeros where no slot is valid.
   """
   # The gathered rows are converted to float32 as they are gathered (one fused op): the two
-  # small products then run in f32, which on XLA:CPU was faster than bf16 x bf16 -> f32 (see
-  # docs/cpu_performance.md), and the probabilities stay in f32.
+  # small products then run in f32, XLA:CPU's faster form (docs/cpu_performance.md), and the
+  # probabilities stay in f32.
   k_sel = gather_rows(k, idx).astype(jnp.float32)
   v_sel = gather_rows(v, idx).astype(jnp.float32)
   out = _softmax_combine(group_queries(q, k.shape[1]).astype(jnp.float32), k_sel, v_sel, valid)

@@ -28,7 +28,7 @@ __all__ = ["GROUP_DIMS", "METHODS", "Plan", "RECOMMENDED", "RocketConfig", "STAG
 
 # The fields `RocketConfig.recommended` sets: per-token key codes read at the paper's bytes,
 # the window's max in stage 1, every query head weighed the same in the choice of r dims.
-# Measured on SmolLM2-135M (64-dim heads) and Gemma 3 270M: docs/stage2_variants.md.
+# Why these: docs/stage2_variants.md.
 RECOMMENDED = types.MappingProxyType({
     "method": "rocketkv", "stage2": Quant(capacity="equal_read"), "window_reduce": "max",
     "group_dims": "normalized"})
@@ -55,7 +55,7 @@ class RocketConfig:
       softmax of the scores counts them, so a head with a small query norm still gets its
       dims). The same bytes read either way. For the methods that pick dims
       (`Method.picks_dims`: rocketkv, rocketkv_mt, sparq; not with `stage2="lowrank"`);
-      others reject a value other than "sum". docs/stage2_variants.md has the measurements.
+      others reject a value other than "sum". Why: docs/stage2_variants.md.
     alpha, capacity, prompt_budget, top_k, chunk_size, r: optional overrides of the split.
       A fixed `alpha` reproduces the paper's ablations.
     page_size: Quest page size (tokens per min/max summary).
@@ -67,8 +67,8 @@ class RocketConfig:
       (the bounds shortlist `factor * top_k` slots, per-token scores on the same r dims keep
       `top_k`), `LowRank(page_size, rank)` (page-local low-rank key summaries, per-token
       scores), `Quant(bits, capacity, mean_value)` (per-token low-bit key codes on per-channel
-      grids, scored on the same r dims). Their defaults keep the bytes read per step <= 1.2x
-      minmax at 32K / B=256 / D=128 (benchmarks/decode_attention.py).
+      grids, scored on the same r dims). Their defaults keep the bytes read per step close to
+      minmax's (docs/stage2_variants.md#defaults-and-step-cost).
     skip_layers: the first `skip_layers` layers keep their whole cache (no stage-1 eviction) and
       attend densely at every decode step, for the methods that accept it
       (`Method.accepts_skip_layers`: rocketkv, rocketkv_mt; others reject a value other than 0).
@@ -99,7 +99,7 @@ class RocketConfig:
 
   @classmethod
   def recommended(cls, token_budget: int, **fields) -> "RocketConfig":
-    """The configuration the measurements recommend (`RECOMMENDED`) at budget B; `fields`
+    """The recommended configuration (`RECOMMENDED`) at budget B; `fields`
     override it, e.g. `method="rocketkv_mt"` for multi-turn. The default config stays the
     paper's, which loses needles on small heads and on Gemma 3 (docs/stage2_variants.md)."""
     return cls(token_budget=token_budget, **{**RECOMMENDED, **fields})

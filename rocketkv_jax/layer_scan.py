@@ -1,11 +1,10 @@
 """Decode steps of a run of layers in one `lax.scan`, each layer's cache written in place.
 
-A model's decode step unrolled over its N layers compiles N copies of every layer's ops: about
-110 fusions a layer for RocketKV at batch 10, 3505 for SmolLM2's 30 layers, over 300 MB of
-machine code per compiled program on XLA:CPU. A `lax.scan` over the layers compiles
-one copy. But the plain scan body -- slice layer i's state out of the stacked carry, run the
-method's decode step, write the new state back -- copies each layer's whole cache every step
-(measured ~30x slower): XLA does not see that only one row changed.
+A model's decode step unrolled over its N layers compiles N copies of every layer's ops (large
+programs on XLA:CPU: results/sweep.md); a `lax.scan` over the layers compiles one copy. But the
+plain scan body -- slice layer i's state out of the stacked carry, run the method's decode step,
+write the new state back -- copies each layer's whole cache every step: XLA does not see that
+only one row changed (docs/generation.md#models-and-generation).
 
 `scan_layers` threads the stacked carry through the body instead. Layer i's state holds *views*
 of the stacked leaves (`dynamic_index_in_dim` at i); reads through a view fuse into their

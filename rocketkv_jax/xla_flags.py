@@ -11,9 +11,8 @@ def set_cpu_flags() -> None:
   """Asks XLA:CPU for region-analysis copy insertion (called by `import rocketkv_jax`).
 
   Without it, a jitted decode step that reads a donated cache and updates it in place makes
-  XLA:CPU copy whole cache buffers every step (seen in the compiled HLO: 2-6 copies of the
-  summaries; a 2-4x slower step at large budgets). It only affects the CPU backend and only takes
-  effect if no JAX computation ran before `import rocketkv_jax`. Opt out with
+  XLA:CPU copy whole cache buffers every step (docs/cpu_performance.md). It only affects the CPU
+  backend and only takes effect if no JAX computation ran before `import rocketkv_jax`. Opt out with
   ROCKETKV_NO_XLA_FLAGS=1; a value already in XLA_FLAGS is left alone.
   """
   flags = os.environ.get("XLA_FLAGS", "")

@@ -5,44 +5,20 @@
     results = run_sweep(model, cfg)          # {"config", "plans", "records", "timing"}
     report.write_all(results, "results/")     # JSON + Markdown + plots
 
-Per (task, length): the samples are generated (seeded), chat-templated (or in completion form
-for a base model: `SweepConfig.prompt_format`), right-padded to one
-static length P = min(length, context - max_new_tokens) and cut into batches of `batch_size`
-(the last batch is filled with copies of its last prompt, whose outputs are dropped), so every
-batch of a (task, length) has the same shape and each (method, budget) compiles once per
-(task, length). Each batch gets one prompt pass; every (method, budget) then decodes from it.
-"full" ignores the budget and is decoded once per batch (its record has budget None).
-A method may be an ablation variant, e.g. "rocketkv:chunk_size=1,r=64" (`variants`).
+Per (task, length): the samples are generated (seeded), chat-templated or in completion form
+(`SweepConfig.prompt_format`), right-padded to one static length and cut into equal batches of
+`batch_size`, so each (method, budget) compiles once per (task, length). Each batch gets one
+prompt pass; every (method, budget) then decodes from it. "full" ignores the budget (its
+record has budget None). A method may be an ablation variant, e.g.
+"rocketkv:chunk_size=1,r=64" (`variants`).
 
-Multi-turn ("multiturn" in tasks): batch 1, three questions on one context, for the methods of
-`multiturn_methods` among full / rocketkv / rocketkv_mt, or their variants (e.g.
-"rocketkv_mt:stage2=quant"). A later turn's prompt goes through `conversation.turn_states`,
-the step `rocketkv.Conversation` takes (dense over each layer's cache; a hybrid's sliding
-layers keep their window):
-  * full: the whole conversation is kept (plan sized for every turn).
-  * rocketkv: stage 1 ran once, with the first question's window; later turn prompts are
-    appended to the compressed cache, no re-prefill. Its per-turn split (top_k, chunk_size, r)
-    is the one rocketkv_mt uses for that turn, so the two differ only in whether stage 1 is
-    re-run. A stage-2 variant's summaries beside the cache ("lowrank", "quant") are rebuilt
-    over the grown cache after each turn's append (`Stage2.prefill`, as after the first
-    prefill: a turn's prompt is a prefill, so the quant grid is fixed anew there);
-    "minmax" / "rerank" read the bounds `extend` rebuilds.
-  * rocketkv_mt: the full cache is kept; `rocketkv.begin_turn` re-runs stage 1 on it with that
-    turn's window queries.
-In completion form (base models) a turn is "\n\n" + its question + ":" after the answer
-(`tasks.CompletionFormat`).
-Each turn's answer is scored on its own (task names multiturn_t1, multiturn_t2, ...).
-
-Teacher-forced gold score (`gold_score`, on by default): in a program of its own, run just
-before each (method, budget) decode program, the same cache built the same way from the prompt
-pass is fed the sample's gold answer token by token through the method's own decode steps
-(`runner`, `teacher_forced.forced_logprobs`; the ids are `tasks.gold_ids`), and the record gets
-`gold_logprob` (mean log-prob per answer token, nats), `gold_argmax` (share of answer tokens
-that were the argmax) and `gold_tokens`. Exact match flips on near-ties; this score moves
-smoothly, so it separates methods with fewer prompts. Multi-turn records get it per turn: the
-turn's gold answer is forced from the state that turn decodes from (its prompt prefilled, the
-earlier turns' own generated answers in the cache, as for its exact match), in a program of
-its own before the turn's decode (`runner.continue_gold`; turn 1 as above).
+Multi-turn ("multiturn" in tasks): batch 1, three questions on one context; a later turn's
+prompt goes through `conversation.turn_states` (as `rocketkv.Conversation`), and each turn's
+answer is scored on its own (multiturn_t1, multiturn_t2, ...). The teacher-forced gold score
+(`gold_score`, on by default) forces the gold answer through the method's own decode steps, in
+a program of its own before each decode program (`gold_logprob`, `gold_argmax`,
+`gold_tokens`). The details (padding, each method's later turns, the gold score per turn):
+docs/evaluation.md#how-a-sweep-runs-rocketkv_jaxevalharnesspy.
 
 Records hold no timings, so the same seed and configuration give identical records; timings
 go to the separate "timing" section.
@@ -418,7 +394,7 @@ def run_sweep(model, cfg: SweepConfig, *, progress: bool = True, on_group=None, 
             lp, am = runner.last_forced
             records[-1].update(gold_fields(lp[i], am[i], masks[i]))
         bar.update(1, f"{task}@{length} {method}/{budget}")
-      del pp  # this batch's K/V (3.8 GB at 8K, batch 10) is freed before the next prompt pass
+      del pp  # this batch's prompt K/V, the largest buffer, is freed before the next prompt pass
       finished(_unit(task, length, batch[0].index))
   bar.close()
   timing["total_s"] = time.perf_counter() - t_start

@@ -5,67 +5,21 @@
                                max_new_tokens=64)
     result.text[0], result.stats
 
-Structure (two compiled programs per (shapes, method, budget); none per step):
-  1. prefill (jit): blockwise causal attention over the right-padded prompt batch, and per layer
-     `rocketkv.prefill` builds that method's KV state; returns the first sampled token.
-  2. decode (jit, cache donated): `decode_loop.sample_loop` (the loop the eval runner shares)
-     over `models.llama.decode_step` (-> `rocketkv.decode_step` per layer), sampling each next
-     token on device, stopping when every sequence hit EOS or `max_new_tokens`. An optional
-     streaming callback receives each step's tokens through an ordered `io_callback`
-     (`StreamSink`).
-  The cache passes between the two as the `llama.LayerStack` the prompt pass's layer scans made
-  (`llama.prefill(stacked=True)`), and the decode step scans over it: the KV method's ops are
-  compiled once instead of once per layer (a smaller, faster-compiling decode program), and
-  the prefill returns the scans' stacked states as they are instead of copying them out layer
-  by layer.
-
-Sharding: load the model with `rocketkv.models.load(path, mesh=sharding.make_mesh(tp, dp))`;
-`generate` is unchanged. It finds the mesh on the parameters, splits the batch over "dp" and
-GSPMD propagates the head sharding of Q/K/V into the KV caches, so each device holds and scores
-only its sequences' KV heads (tested: same tokens as one device). The mesh may span processes
-(`models/distributed.py`): every process calls `generate` with the same prompts (SPMD); the
-inputs are global arrays each process places its own slices of, and the outputs the host reads
-(tokens, overflow flags, step count) are replicated on device, so every process returns every
-sequence's tokens; no host sync per step. A batch that "dp" does not divide is padded with
-copies of its last prompt, whose outputs are dropped.
-
-Compilation: both programs (`prefill_program`, `decode_program`) are compiled ahead of time
-(`jit(...).lower(...).compile()`) into a `ProgramCache`, keyed by (static config, plan, argument
-shapes / shardings); a repeated call with the same shapes compiles nothing
-(`stats["compile_s"] == 0`). A new prompt length is a new plan and so a new compile (the plan's
-split depends on it). The default cache, `PROGRAMS`, holds at most 16 programs (8 configurations)
-and drops the least recently used; pass `programs=ProgramCache(n)` for another bound or a
-private cache. A `stream` callback is registered with the cache's `StreamSink` for the one
-call, under an id the decode program takes as an argument: no process-global state.
+Two compiled programs per (shapes, method, budget), none per step:
+  1. prefill (jit): blockwise causal attention over the right-padded prompt batch; per layer
+     `rocketkv.prefill` builds the method's KV state; returns the first sampled token.
+  2. decode (jit, cache donated): `decode_loop.sample_loop` over `models.llama.decode_step`,
+     sampling on device until every sequence hit EOS or `max_new_tokens`; an optional stream
+     callback receives each step's tokens (`StreamSink`).
+  The cache passes between them as the prompt pass's `llama.LayerStack`, which the decode step
+  scans over. Both are compiled ahead of time into a `ProgramCache` (`PROGRAMS` keeps the 16
+  most recently used) keyed by config, plan and shapes: a repeated call compiles nothing.
+A model loaded on a mesh runs sharded with no change here (batch over "dp", KV heads over "tp",
+across processes too).
 
 Parts: `_prepare` (arguments checked, prompts encoded, padded and placed, the plan), `_run` (the
-two programs), `_stats`; `generate` chains them.
-
-Decisions where the issue is silent:
-  * The t-th generated token of sequence b gets RoPE position lengths[b] + t (right padding).
-  * Tokens after a sequence's EOS are not fed back in any meaningful way (the sequence keeps
-    stepping with EOS until the batch finishes) and are dropped from the result; the EOS itself
-    is dropped too (`decode_loop`'s EOS rule).
-  * `temperature == 0` is greedy (argmax); otherwise softmax(logits / temperature) restricted to
-    the smallest top-p nucleus, with `jax.random` keyed by `seed` and the step index
-    (`rocketkv_jax.runtime.sampling`); `sampler=` takes any strategy there (`TopK`) or one's own.
-  * A cache overflow (an append into a full cache, which the core drops) raises RuntimeError on
-    the host after the loop; it cannot happen with a plan made for these lengths.
-  * Stats: per row, `kv_tokens_kept_per_row` is the number of valid cache slots per KV head
-    after prefill (stage 1), `kv_tokens_read_per_row` the tokens attended per decode step at
-    the last step (the method's `layer_reads`: top-k for sparse methods, else the whole valid
-    cache; for a method whose state counts its reads, `Method.reads_by_mass`, the mean rows per
-    KV head over the decode steps), both the mean over layers (rounded),
-    `kv_tokens_full_per_row` that row's prompt + new tokens and `compression_ratio_per_row` =
-    full / read. The scalars `kv_tokens_kept`,
-    `kv_tokens_read`, `kv_tokens_full` are the mean over rows (rounded) and
-    `compression_ratio` = mean full / mean read; rows of different lengths keep different
-    numbers of tokens (full KV keeps each row's own prompt). A method's dense layers (Quest's
-    first two, RocketKV's `skip_layers`) count their whole cache;
-    `kv_tokens_kept_per_layer` / `kv_tokens_read_per_layer` give each layer's mean over rows.
-    Times are wall-clock with compilation reported separately (`compile_s`). `kv_cache_bytes` is
-    the size of every layer's KV state; `peak_bytes` XLA's memory estimate (arguments + outputs +
-    temporaries) of the larger of the two compiled programs.
+two programs), `_stats`; `generate` chains them. Sharding, compilation, the sampling and EOS
+rules and each stat's definition: docs/generation.md#inside-generate-rocketkv_jaxruntimegeneratepy.
 """
 
 from __future__ import annotations
