@@ -1,0 +1,478 @@
+"""`Engine`: continuous batching over a fixed pool of decode slots, any KV method.
+
+    engine = Engine(model, EngineConfig(RocketConfig.recommended(256), max_model_len=8192,
+                                        max_num_seqs=16))
+    engine.start()                                          # the scheduling thread
+    handle = engine.add_request("Hello", SamplingParams(max_tokens=32, temperature=0.0))
+    print(handle.result().text)
+    engine.shutdown()
+
+Each of the `S` slots holds one request's compressed KV state. A request waits in a bounded
+queue until a slot is free, is prefilled alone (its prompt padded to a power-of-two length
+bucket) straight into its slot, then decodes with the others, `steps_per_call` tokens per
+compiled call, and leaves at EOS, `max_tokens`, a stop string or cancellation; its slot is
+free for the next one at once. Nothing recompiles: one admit program per bucket, one decode
+program (`engine_programs.py`), all compiled by `warmup()` or on first use.
+
+One budget split for every request: the `Plan` is made once for prompts of `max_model_len -
+max_new_tokens` tokens and `max_new_tokens` new ones, as `rocketkv.generate(..., pad_to=...)`
+plans for a nominal length (docs/serving.md says why). With it every slot's state has the same
+shapes, and a request's greedy output is `generate`'s with `pad_to=plan.prompt_len,
+max_new_tokens=plan.max_new_tokens`, alone or among others.
+
+The slots' memory is the pool: with `kv_cache_mb`, `S` is the number of slots whose states fit
+in it (at most `max_num_seqs`); a compressing method's state is its plan's capacity, so the
+same pool holds more requests.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import math
+import threading
+import time
+import zlib
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rocketkv_jax.config import RocketConfig, check_num_layers
+from rocketkv_jax.config import plan as make_plan
+from rocketkv_jax.models import llama
+from rocketkv_jax.models.api import as_model
+from rocketkv_jax.runtime import decode_loop, engine_programs as programs
+from rocketkv_jax.runtime.requests import Output, Request, RequestHandle, SamplingParams
+
+__all__ = ["Engine", "EngineClosed", "EngineConfig", "EngineStats", "Output", "QueueFull",
+           "RequestHandle", "SamplingParams"]
+
+
+class QueueFull(RuntimeError):
+  """The waiting queue is full: retry later (a server answers 503)."""
+
+
+class EngineClosed(RuntimeError):
+  """The engine is shutting down and admits nothing."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Static settings of an `Engine`.
+
+  Attributes:
+    rocket_config: the KV method and budget (`RocketConfig`, e.g. `.recommended(256)`).
+    max_model_len: prompt + generated tokens of one request, at most.
+    max_new_tokens: the new tokens the budget split plans for; prompts may hold up to
+      `max_model_len - max_new_tokens` tokens. A request may ask for more new tokens than
+      this when its prompt leaves room in its slot.
+    max_num_seqs: decode slots (requests decoding at once), at most.
+    kv_cache_mb: the pool's size in MiB: the slots are as many as fit (None: `max_num_seqs`).
+    max_waiting: requests that may wait for a slot; beyond it `add_request` raises QueueFull.
+    steps_per_call: decode steps per compiled call (host round trips are amortised over them;
+      a finished request's extra steps are dropped).
+    min_bucket: the smallest prompt length bucket (a power of two).
+    block_size: prefill attention tile.
+    impl: "auto" | "xla" | "pallas" for the KV method's hot path.
+  """
+
+  rocket_config: RocketConfig
+  max_model_len: int = 4096
+  max_new_tokens: int = 256
+  max_num_seqs: int = 8
+  kv_cache_mb: float | None = None
+  max_waiting: int = 256
+  steps_per_call: int = 1
+  min_bucket: int = 64
+  block_size: int = 512
+  impl: str = "auto"
+
+  def __post_init__(self):
+    if not isinstance(self.rocket_config, RocketConfig):
+      raise ValueError(f"rocket_config must be a RocketConfig, got {self.rocket_config!r}")
+    for name, lo in (("max_model_len", 2), ("max_new_tokens", 1), ("max_num_seqs", 1),
+                     ("max_waiting", 0), ("steps_per_call", 1), ("min_bucket", 1),
+                     ("block_size", 1)):
+      x = getattr(self, name)
+      if isinstance(x, bool) or not isinstance(x, int) or x < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {x!r}")
+    if self.max_new_tokens >= self.max_model_len:
+      raise ValueError(f"max_new_tokens must be < max_model_len={self.max_model_len}, got "
+                       f"{self.max_new_tokens}")
+    if self.min_bucket & (self.min_bucket - 1):
+      raise ValueError(f"min_bucket must be a power of two, got {self.min_bucket}")
+    if self.kv_cache_mb is not None and not (isinstance(self.kv_cache_mb, (int, float))
+                                             and self.kv_cache_mb > 0):
+      raise ValueError(f"kv_cache_mb must be None or a number > 0, got {self.kv_cache_mb!r}")
+
+  @property
+  def max_prompt_len(self) -> int:
+    return self.max_model_len - self.max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+  """A snapshot of the engine (what `/metrics` exports)."""
+
+  num_running: int
+  num_waiting: int
+  num_slots: int
+  kv_cache_usage: float  # 0-1: tokens held by running requests / the pool's token capacity
+  slot_bytes: int  # one slot's KV state
+  prompt_tokens_total: int
+  generation_tokens_total: int
+  requests_finished_total: int
+
+
+class Engine:
+  """Continuous batching over `S` decode slots (module docstring). Thread-safe: `add_request`,
+  `abort` and `stats` may be called from any thread while `start()`'s thread runs the loop;
+  or drive it by hand with `step()` (tests)."""
+
+  def __init__(self, model, config: EngineConfig):
+    self.model = model = as_model(model)
+    self.config = config
+    mc = model.config
+    if config.max_model_len > mc.max_position_embeddings:
+      raise ValueError(f"max_model_len must be <= the model's context "
+                       f"{mc.max_position_embeddings}, got {config.max_model_len}")
+    self.plan = make_plan(config.rocket_config, config.max_prompt_len, config.max_new_tokens,
+                          mc.head_dim)
+    check_num_layers(self.plan, mc.num_layers)
+    self.tokenizer = model.tokenizer
+    self.eos_ids = decode_loop.default_eos_ids(model)
+    self._eos = jnp.asarray(np.array(list(self.eos_ids) or [-1], np.int32))
+    self._static = dict(config=mc, plan=self.plan, impl=config.impl)
+
+    self.buckets = self._buckets()
+    one = (jnp.zeros((1, self.buckets[0]), jnp.int32), jnp.ones((1,), jnp.int32))
+    row = jax.eval_shape(functools.partial(programs._prefill, block_size=config.block_size,
+                                           **self._static), model.params, *one)[1]
+    self.slot_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(row))
+    slots = config.max_num_seqs
+    if config.kv_cache_mb is not None:
+      fit = int(config.kv_cache_mb * 2**20 // self.slot_bytes)
+      if fit < 1:
+        raise ValueError(f"kv_cache_mb must hold one request's KV state "
+                         f"({self.slot_bytes / 2**20:.2f} MiB for this model, method and "
+                         f"max_model_len), got {config.kv_cache_mb}")
+      slots = min(slots, fit)
+    self.num_slots = slots
+
+    self._lock = threading.Condition()
+    self._waiting: collections.deque[Request] = collections.deque()
+    self._slots: list[Request | None] = [None] * slots
+    self._ids = itertools.count()
+    self._requests: dict[str, Request] = {}
+    self._closed = False
+    self._thread: threading.Thread | None = None
+    self._exes: dict = {}
+    self._counters = collections.Counter()
+    # host mirror of each slot's decode inputs
+    self._last = np.zeros(slots, np.int32)
+    self._pos = np.zeros(slots, np.int32)
+    self._ngen = np.zeros(slots, np.int32)
+    self._temp = np.zeros(slots, np.float32)
+    self._top_p = np.ones(slots, np.float32)
+    self._seed = np.zeros(slots, np.uint32)
+    self._min_tokens = np.zeros(slots, np.int32)
+    self._held = np.zeros(slots, np.int64)  # tokens each slot's request holds (usage)
+    self.state = self._program("init", programs.init_program, (), model.params, *one,
+                               slots=slots, block_size=config.block_size)(model.params, *one)
+
+  # ------------------------------------------------------------------ programs
+  def _buckets(self) -> tuple[int, ...]:
+    """Prompt length buckets: powers of two from `min_bucket`, the longest prompt last. A
+    hybrid model's sliding layers keep min(window, bucket) prompt tokens, so its buckets start
+    at the window: every bucket's state then has the same shapes."""
+    lo = self.config.min_bucket
+    if self.model.config.window_layers:
+      lo = max(lo, 1 << (self.model.config.sliding_window - 1).bit_length())
+    out, b = [], lo
+    while b < self.config.max_prompt_len:
+      out.append(b)
+      b *= 2
+    return tuple(out) + (self.config.max_prompt_len,)
+
+  def _program(self, name, fn, donate, *args, **static):
+    """The compiled `fn` for these argument shapes (compiled once, kept)."""
+    sig = (name, tuple(sorted(static.items())),
+           tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args)))
+    if sig not in self._exes:
+      t0 = time.perf_counter()
+      jitted = jax.jit(functools.partial(fn, **self._static, **static), donate_argnums=donate)
+      self._exes[sig] = jitted.lower(*args).compile()
+      self._counters["compile_s"] += time.perf_counter() - t0
+      self._counters["programs"] += 1
+    return self._exes[sig]
+
+  def _admit_args(self, tokens, length, slot, p: SamplingParams, seed: int):
+    return (self.model.params, self.state, tokens, np.array([length], np.int32),
+            np.int32(slot), np.array([p.temperature], np.float32),
+            np.array([p.top_p], np.float32), np.array([seed], np.uint32),
+            np.array([p.min_tokens], np.int32), self._eos)
+
+  def _decode_args(self):
+    return (self.model.params, self.state, self._last, self._pos, self._ngen, self._temp,
+            self._top_p, self._seed, self._min_tokens, self._eos)
+
+  def _admit_exe(self, bucket: int, args):
+    return self._program(f"admit{bucket}", programs.admit_program, (1,), *args,
+                         block_size=self.config.block_size)
+
+  def _decode_exe(self, args):
+    return self._program("decode", programs.decode_program, (1,), *args,
+                         steps=self.config.steps_per_call)
+
+  def warmup(self) -> float:
+    """Compiles every program (one admit per bucket, the decode step) now, so that no request
+    waits for a compile. Returns the seconds spent."""
+    t0 = self._counters["compile_s"]
+    for b in self.buckets:
+      self._admit_exe(b, self._admit_args(np.zeros((1, b), np.int32), 1, 0, SamplingParams(),
+                                          0))
+    self._decode_exe(self._decode_args())
+    return self._counters["compile_s"] - t0
+
+  @property
+  def num_programs(self) -> int:
+    return len(self._exes)
+
+  # ------------------------------------------------------------------ requests
+  def encode(self, prompt: str | Sequence[int]) -> list[int]:
+    """Token ids of a prompt (a string needs the model's tokenizer)."""
+    if isinstance(prompt, str):
+      if self.tokenizer is None:
+        raise ValueError("prompt must be token ids: the model has no tokenizer")
+      return self.tokenizer.encode(prompt)
+    ids = list(prompt)
+    vocab = self.model.config.vocab_size
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab
+               for t in ids):
+      raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+    return [int(t) for t in ids]
+
+  def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    """ValueError if the request can never run here (too long for a slot)."""
+    n, p = len(prompt_ids), self.config.max_prompt_len
+    if n < 1:
+      raise ValueError("prompt must hold at least one token")
+    if n > p:
+      raise ValueError(f"prompt has {n} tokens; at most {p} are accepted (max_model_len "
+                       f"{self.config.max_model_len} - max_new_tokens {self.config.max_new_tokens})")
+    if n + params.max_tokens > self.config.max_model_len:
+      raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) must be <= "
+                       f"max_model_len {self.config.max_model_len}")
+    room = self.plan.capacity - self._kept(n)
+    if self.model.config.window_layers:  # sliding layers hold the window + max_new_tokens
+      room = min(room, self.plan.max_new_tokens)
+    if params.max_tokens > room:
+      raise ValueError(f"max_tokens must be <= {room} for a prompt of {n} tokens (the "
+                       f"{self.plan.method} cache holds {self.plan.capacity} tokens), got "
+                       f"{params.max_tokens}")
+
+  def _kept(self, n: int) -> int:
+    """Prompt tokens stage 1 keeps of an n-token prompt (an upper bound over layers)."""
+    return min(n, max(self.plan.prompt_budget, min(n, self.plan.window_size)))
+
+  def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                  request_id: str | None = None,
+                  on_output: Callable[[Output], None] | None = None) -> RequestHandle:
+    """Queues a request. ValueError: it can never run (bad ids, too long); QueueFull: the
+    waiting queue is full; EngineClosed: the engine is shutting down."""
+    params = params or SamplingParams()
+    if not isinstance(params, SamplingParams):
+      raise ValueError(f"params must be a SamplingParams, got {params!r}")
+    ids = self.encode(prompt)
+    self.check(ids, params)
+    detok = None if self.tokenizer is None else self.tokenizer.decode
+    with self._lock:
+      if self._closed:
+        raise EngineClosed("the engine is shutting down")
+      if len(self._waiting) >= self.config.max_waiting:
+        raise QueueFull(f"{len(self._waiting)} requests are waiting (max_waiting)")
+      rid = request_id or f"req-{next(self._ids)}"
+      if rid in self._requests:
+        raise ValueError(f"request_id {rid!r} is already running")
+      req = Request(rid, ids, params, detok, self.eos_ids, on_output)
+      self._requests[rid] = req
+      self._waiting.append(req)
+      self._counters["prompt_tokens"] += len(ids)
+      self._lock.notify_all()
+    return RequestHandle(req, self.abort)
+
+  def abort(self, request_id: str) -> None:
+    """Cancels a request (waiting or running); its slot is freed at the next step."""
+    with self._lock:
+      req = self._requests.get(request_id)
+      if req is not None:
+        req.aborted.set()
+        self._lock.notify_all()
+
+  def stats(self) -> EngineStats:
+    with self._lock:
+      running = [r for r in self._slots if r is not None]
+      held = int(self._held.sum())
+      return EngineStats(
+          num_running=len(running), num_waiting=len(self._waiting), num_slots=self.num_slots,
+          kv_cache_usage=held / (self.num_slots * self.plan.capacity),
+          slot_bytes=int(self.slot_bytes),
+          prompt_tokens_total=int(self._counters["prompt_tokens"]),
+          generation_tokens_total=int(self._counters["generation_tokens"]),
+          requests_finished_total=int(self._counters["finished"]))
+
+  # ------------------------------------------------------------------ the loop
+  def has_work(self) -> bool:
+    with self._lock:
+      return bool(self._waiting) or any(r is not None for r in self._slots)
+
+  def step(self) -> None:
+    """One iteration: drop cancelled requests, admit waiting ones into free slots (prefill),
+    then one decode call over the slots if any is busy."""
+    self._reap()
+    while True:
+      with self._lock:
+        free = [i for i, r in enumerate(self._slots) if r is None]
+        if not free or not self._waiting:
+          break
+        req = self._waiting.popleft()
+        if req.aborted.is_set():
+          self._end(req, "abort")
+          continue
+      self._admit(req, free[0])
+    if any(r is not None for r in self._slots):
+      self._decode()
+
+  def _reap(self) -> None:
+    with self._lock:
+      for req in [r for r in self._waiting if r.aborted.is_set()]:
+        self._waiting.remove(req)
+        self._end(req, "abort")
+      for i, req in enumerate(self._slots):
+        if req is not None and req.aborted.is_set():
+          self._free(i, "abort")
+
+  def _admit(self, req: Request, slot: int) -> None:
+    n = len(req.prompt_ids)
+    bucket = next(b for b in self.buckets if b >= n)
+    tokens = np.zeros((1, bucket), np.int32)
+    tokens[0, :n] = req.prompt_ids
+    seed = req.params.seed if req.params.seed is not None else zlib.crc32(req.id.encode())
+    args = self._admit_args(tokens, n, slot, req.params, seed)
+    try:
+      exe = self._admit_exe(bucket, args)
+      first, self.state = exe(*args)
+      first = int(np.asarray(first)[0])
+    except Exception as e:  # pylint: disable=broad-except
+      with self._lock:
+        self._end(req, "error", f"prefill failed: {type(e).__name__}: {e}")
+      raise
+    with self._lock:
+      self._slots[slot] = req
+      self._last[slot], self._pos[slot], self._ngen[slot] = first, n, 1
+      self._temp[slot], self._top_p[slot] = req.params.temperature, req.params.top_p
+      self._seed[slot], self._min_tokens[slot] = seed, req.params.min_tokens
+      self._held[slot] = self._kept(n) + 1
+      self._counters["generation_tokens"] += 1
+    req.add_tokens([first])
+    if req.finished:
+      with self._lock:
+        self._free(slot, req.finish_reason)
+
+  def _decode(self) -> None:
+    args = self._decode_args()
+    out, self.state = self._decode_exe(args)(*args)
+    out = np.asarray(out)  # [S, K]: the host sees each call's tokens (streaming, stops)
+    k = out.shape[1]
+    with self._lock:
+      busy = [(i, r) for i, r in enumerate(self._slots) if r is not None]
+      self._last = out[:, -1].copy()
+      self._pos += k
+      self._ngen += k
+    for i, req in busy:
+      before = len(req.generated)
+      req.add_tokens(out[i].tolist())
+      with self._lock:
+        self._counters["generation_tokens"] += len(req.generated) - before
+        self._held[i] = min(self._held[i] + k, self.plan.capacity)
+        if req.finished:
+          self._free(i, req.finish_reason)
+
+  def _free(self, slot: int, reason: str) -> None:
+    """(lock held) Ends the slot's request and frees the slot."""
+    req = self._slots[slot]
+    self._slots[slot] = None
+    self._held[slot] = 0
+    self._temp[slot] = 0.0  # an idle slot decodes greedily
+    if req is not None:
+      self._end(req, reason)
+
+  def _end(self, req: Request, reason: str, error: str | None = None) -> None:
+    """(lock held) Finishes `req` and forgets it."""
+    req.finish(reason, error)
+    self._requests.pop(req.id, None)
+    self._counters["finished"] += 1
+
+  # ------------------------------------------------------------------ the thread
+  def start(self) -> None:
+    """Runs the loop on a daemon thread until `shutdown`."""
+    if self._thread is not None:
+      return
+    self._thread = threading.Thread(target=self._run, name="rocketkv-engine", daemon=True)
+    self._thread.start()
+
+  def _run(self) -> None:
+    while True:
+      with self._lock:
+        while not self._closed and not self._waiting and all(r is None for r in self._slots):
+          self._lock.wait()
+        if self._closed and not any(r is not None for r in self._slots) and not self._waiting:
+          return
+      try:
+        self.step()
+      except Exception as e:  # pylint: disable=broad-except
+        self._fail_all(f"{type(e).__name__}: {e}")
+
+  def _fail_all(self, message: str) -> None:
+    with self._lock:
+      for i, r in enumerate(self._slots):
+        if r is not None:
+          self._slots[i] = None
+          self._end(r, "error", message)
+      self._held[:] = 0
+      while self._waiting:
+        self._end(self._waiting.popleft(), "error", message)
+
+  def shutdown(self, timeout: float = 30.0) -> None:
+    """Stops admitting; lets running requests finish for up to `timeout` seconds, then aborts
+    what is left (waiting requests are aborted at once) and stops the thread."""
+    with self._lock:
+      self._closed = True
+      while self._waiting:
+        self._end(self._waiting.popleft(), "abort")
+      self._lock.notify_all()
+    deadline = time.monotonic() + timeout
+    while self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
+      self._thread.join(0.05)
+    for r in list(self._requests.values()):
+      r.aborted.set()
+    if self._thread is not None:
+      self._thread.join(5.0)
+    with self._lock:
+      for i, r in enumerate(self._slots):
+        if r is not None:
+          self._free(i, "abort")
+
+  def generate(self, prompts: Sequence[str | Sequence[int]],
+               params: SamplingParams | None = None) -> list[Output]:
+    """Runs `prompts` to completion (the loop on this thread unless `start()`ed); one finished
+    `Output` per prompt, in order."""
+    handles = [self.add_request(p, params) for p in prompts]
+    if self._thread is None:
+      while self.has_work():
+        self.step()
+    return [h.result() for h in handles]

@@ -1,0 +1,125 @@
+"""The serving engine's compiled programs over a batch of `S` decode slots.
+
+    state = init_program(params, ...)                    # [S] rows of well-formed KV states
+    first, state = admit_program(params, state, tokens [1, L], length [1], slot, ...)
+    tokens [S, K], state = decode_program(params, state, last [S], positions [S], ...)
+
+`admit_program` prefills one request (its prompt right-padded to a length bucket `L`) with the
+engine's one `Plan` and writes its per-layer states into row `slot` of the batch state (donated,
+so in place); `decode_program` runs `K` decode steps of every slot. The states of every request
+have the same shapes because they share the plan, so both programs compile once per bucket
+(admit) and once (decode), whatever the requests' lengths.
+
+Sampling is per row (`sample_rows`): each slot has its own temperature, top-p, seed and
+min_tokens; temperature 0 is argmax, as `rocketkv.generate`'s greedy decoding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from rocketkv_jax.models import llama
+from rocketkv_jax.models.precision import compute_params
+
+
+def sample_rows(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, keys: jax.Array,
+                ban: jax.Array) -> jax.Array:
+  """One token per row of `logits [S, V]`: argmax where `temperature [S]` is 0, else a sample
+  of softmax(logits / temperature) restricted to the top-`top_p [S]` nucleus with the row's
+  key (`keys [S, 2]` uint32). `ban [S, V]` bool: tokens the row may not sample (EOS before
+  its min_tokens)."""
+  logits = jnp.where(ban, -jnp.inf, logits.astype(jnp.float32))
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  t = jnp.maximum(temperature, 1e-6)[:, None]
+  scaled = logits / t
+  ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+  probs = jax.nn.softmax(ordered, axis=-1)
+  keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]  # at least the top token
+  cutoff = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+  scaled = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+  sampled = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, scaled)
+  return jnp.where(temperature == 0, greedy, sampled.astype(jnp.int32))
+
+
+def _ban(eos: jax.Array, n_generated: jax.Array, min_tokens: jax.Array, vocab: int):
+  """[S, V] bool: the EOS ids of rows that have generated fewer than their min_tokens."""
+  is_eos = jnp.zeros((vocab,), bool).at[eos].set(True, mode="drop")
+  return (n_generated < min_tokens)[:, None] & is_eos[None, :]
+
+
+def _keys(seeds: jax.Array, n_generated: jax.Array) -> jax.Array:
+  """Row keys `[S, 2]`: the row's seed folded with the index of the token it samples."""
+  return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seeds, n_generated)
+
+
+def batch_axis(state: llama.LayerStack):
+  """Per group of a `LayerStack`: the batch axis of its leaves (1 for a stacked run of layers,
+  0 for a layer alone)."""
+  return tuple(1 if hi - lo > 1 else 0 for lo, hi in state.spans)
+
+
+def write_row(state: llama.LayerStack, row: llama.LayerStack, slot: jax.Array):
+  """`state` with batch row `slot` replaced by the one row of `row` (same structure)."""
+  groups = []
+  for axis, g, r in zip(batch_axis(state), state.groups, row.groups):
+    groups.append(jax.tree.map(
+        lambda a, b, axis=axis: lax.dynamic_update_index_in_dim(a, b.astype(a.dtype), slot, axis),
+        g, r))
+  return state.replace(groups=tuple(groups))
+
+
+def tile_rows(row: llama.LayerStack, slots: int):
+  """A batch state of `slots` copies of the one row of `row`."""
+  groups = []
+  for axis, g in zip(batch_axis(row), row.groups):
+    groups.append(jax.tree.map(lambda a, axis=axis: jnp.repeat(a, slots, axis=axis), g))
+  return row.replace(groups=tuple(groups))
+
+
+def _prefill(params, tokens, lengths, *, config, plan, block_size, impl):
+  return llama.prefill(params, tokens, lengths, config=config, plan=plan,
+                       block_size=block_size, impl=impl, stacked=True)
+
+
+def init_program(params, tokens, lengths, *, config, plan, slots, block_size, impl):
+  """The initial batch state: `slots` copies of the state of a one-token prompt (so an idle
+  slot decodes well-formed numbers)."""
+  _, state = _prefill(params, tokens, lengths, config=config, plan=plan, block_size=block_size,
+                      impl=impl)
+  return tile_rows(state, slots)
+
+
+def admit_program(params, state, tokens, lengths, slot, temperature, top_p, seed, min_tokens,
+                  eos, *, config, plan, block_size, impl):
+  """Prefills one prompt `tokens [1, L]` (`lengths [1]` valid) into row `slot` of `state`
+  (donated) and samples its first token. Returns (token [1] int32, state)."""
+  logits, row = _prefill(params, tokens, lengths, config=config, plan=plan,
+                         block_size=block_size, impl=impl)
+  zero = jnp.zeros((1,), jnp.int32)
+  first = sample_rows(logits, temperature, top_p, _keys(seed, zero),
+                      _ban(eos, zero, min_tokens, logits.shape[-1]))
+  return first, write_row(state, row, slot)
+
+
+def decode_program(params, state, last, positions, n_generated, temperature, top_p, seed,
+                   min_tokens, eos, *, config, plan, steps, impl):
+  """`steps` decode steps of every slot. `last [S]`: each slot's last sampled token, at
+  `positions [S]`; `n_generated [S]`: tokens it has sampled so far (its keys' index).
+  Returns (tokens [S, steps] int32, state)."""
+  params = compute_params(params)  # upcast once, not in every step (precision.py)
+  s = last.shape[0]
+
+  def body(i, carry):
+    state, tok, out = carry
+    logits, state = llama.decode_step(params, state, tok, positions + i, config=config,
+                                      plan=plan, impl=impl)
+    n = n_generated + i
+    nxt = sample_rows(logits, temperature, top_p, _keys(seed, n),
+                      _ban(eos, n, min_tokens, logits.shape[-1]))
+    return state, nxt, out.at[:, i].set(nxt)
+
+  state, _, out = lax.fori_loop(0, steps, body,
+                                (state, last, jnp.zeros((s, steps), jnp.int32)))
+  return out, state
