@@ -2,9 +2,8 @@
 
 The unfused path runs a chain of small ops per layer and step (group the query, top-r dims,
 row indices, pad, chunk-logit kernel, masked softmax, group sum, chunk top-k, candidate
-partition and scatter, clip / mask / encode the slots, attention kernel, split-K merge). On an
-H200 that chain costs ~45 us per layer for ~1 MB read, whatever the context
-(results/kernels_h200.md): launches, not bytes. Here it is two kernels, grid (batch, KV head):
+partition and scatter, clip / mask / encode the slots, attention kernel, split-K merge): on a
+GPU its cost is launches, not bytes (docs/gpu.md). Here it is two kernels, grid (batch, KV head):
 
 1. `rocketkv_fused_chunk_scores`: the top-r dims by |q| summed over the group (as ranks: dim d
    is kept when fewer than r dims come before it, ties to the lower dim, as `lax.top_k`), each

@@ -208,7 +208,7 @@ def _method_cache(k, v, qw, lengths, plan, scan_layers: bool, in_place: bool = F
   or per-layer states with `scan_layers=False` (unrolled; the same numbers). `in_place`: over
   the prompt K/V's buffers (`_full_stack`; `keeps_prompt_in_place` must hold)."""
   # The eval programs decode over a `LayerStack`: the KV method's ops compiled once, not once
-  # per layer (~300 MB of machine code per program unrolled); the same numbers.
+  # per layer (far smaller programs: results/sweep.md); the same numbers.
   if in_place:
     cache = _full_stack(k, v, lengths, plan)
   else:
@@ -463,16 +463,13 @@ class Runner:
   def release_compiled(self) -> None:
     """Drops every compiled decode program (ahead-of-time futures and the jit cache).
 
-    Each program holds its machine code in memory mappings of its own; a process has a fixed
-    number of them (Linux `vm.max_map_count`, 65530 by default), and a 2K sweep over four tasks
-    (124 programs of 30 unrolled layers) ran out and aborted in LLVM ("Cannot allocate
-    memory"). The sweep calls this between (task, length) groups whose shapes differ; programs
-    a later group needs are compiled again (or loaded from `--cache-dir`).
-
-    The programs also take memory: the 31 of an 8K sweep group (SmolLM2, batch 10) held 5.7 GB
-    with the layers unrolled, 1.2 GB scanned (`llama.LayerStack`). Freed, that memory stays in
-    the C allocator's per-thread pools until `malloc_trim` hands it back, which this calls
-    where glibc provides it."""
+    Each program holds its machine code in memory mappings of its own, and a process has a
+    fixed number of them (Linux `vm.max_map_count`, 65530 by default): a long sweep can run out
+    (results/sweep.md).
+    The sweep calls this between (task, length) groups whose shapes differ; programs a later
+    group needs are compiled again (or loaded from `--cache-dir`). The programs also take
+    memory; freed, it stays in the C allocator's per-thread pools until `malloc_trim` hands it
+    back, which this calls where glibc provides it."""
     for fut in self._futures.values():
       fut.cancel()
     self._futures.clear()

@@ -3,7 +3,8 @@
 Each KV head's exact attention mass (softmax per query head, summed over its group, so every
 head's masses sum to G) competes in one top over heads x slots for the layer's Hkv * k reads:
 a head whose attention is spread reads more rows, a peaked one fewer, and the rows read per
-step are those of `exact_topk` at the same budget (issue #43's ceiling for adaptive reads).
+step are those of `exact_topk` at the same budget (the ceiling for adaptive reads:
+results/adaptive_oracle).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ class ExactTopKHeads(ExactTopK):
   name = "exact_topk_heads"
   summary = ("oracle: exact scores; the KV heads of a layer share Hkv x B reads (one top over "
              "heads x slots)")
-  shares_read_across_heads = True
 
   def select(self, q, cache, plan, *, sliding_window=None, impl="auto"):
     b, h, c = cache.k.shape[0], cache.k.shape[1], cache.capacity

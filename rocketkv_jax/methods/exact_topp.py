@@ -4,7 +4,7 @@ Each KV head reads the fewest rows that hold `read_mass` (p) of its exact attent
 softmax of each query head, averaged over its group), so a peaked head reads a few rows and a
 diffuse one many; nothing fixes the rows per head, layer or step. The state counts the rows
 read (`rows_read`), so a sweep can put the oracle next to `exact_topk` at the same mean read
-(issue #43's ceiling for adaptive reads; results/adaptive_oracle).
+(the ceiling for adaptive reads: results/adaptive_oracle).
 """
 
 from __future__ import annotations
