@@ -16,7 +16,7 @@ on Triton's slow IEEE-fp32 FMA path). The logits, [B, Hkv, G, NC] fp32 (G * 4 by
 less than the 2r * 2 bytes of summaries read), then go through the masked softmax and group sum in
 XLA (two small fusions).
 
-Why this shape and not dots over all 2D rows: docs/kernels.md (the first version's H200 timing).
+Why this shape and not dots over all 2D rows: docs/kernels.md.
 """
 
 from __future__ import annotations

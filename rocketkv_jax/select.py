@@ -31,8 +31,8 @@ def approx_bounds_scores_xla(q: jax.Array, bounds: jax.Array, length: jax.Array,
 
   Reads only the r rows it needs: dim d's kmax row (d + D) where the group-summed q_d > 0, else
   its kmin row (d): one gather of r contiguous rows of NC values per KV head, then a small
-  [G, r] x [r, NC] product (faster on XLA:CPU than masked products over all 2D rows, which
-  read ~4x more).
+  [G, r] x [r, NC] product (it reads less than masked products over all 2D rows:
+  docs/cpu_performance.md#what-the-decode-step-looks-like).
 
   Args:
     q: [B, Hq, D] decode query (post-RoPE).
@@ -110,7 +110,7 @@ def top_slots(chunk_scores: jax.Array, valid: jax.Array, chunk_size: int, k: int
   Equivalent to a top-k over per-slot scores (ties to the lower slot), but the top-k runs over
   chunks: the best ceil(k / chunk_size) + 1 chunks with a valid slot always hold the k best valid
   slots (only one chunk can be partly valid), and the first k valid slots among them, in chunk-
-  score order, are kept. On CPU this is ~4x faster than a slot-level top-k at large budgets.
+  score order, are kept: a much smaller top-k (docs/cpu_performance.md).
 
   Args:
     chunk_scores: [B, Hkv, NC] scores.

@@ -70,7 +70,7 @@ class Quant(Stage2):
 
   name = "quant"
   state_type = QuantState
-  key_overrides = {"mean_value": "mean_value"}  # its spec / record key since it was a flag
+  key_overrides = {"mean_value": "mean_value"}  # as records spell it (docs/stage2_variants.md)
   bits: int = 4
   capacity: str = "paper"
   mean_value: bool = False
@@ -240,7 +240,7 @@ def coded_query(qg: jax.Array, step: jax.Array, r: int,
 
 # Above this many multiply-adds per logit (r dims x code planes) `slot_logits_xla` multiplies
 # unpacked planes instead of fusing the unpack into one unrolled sum (compile time and code
-# size); 8-bit codes (one plane, nothing to unpack) always take the products, faster there.
+# size); 8-bit codes (one plane, nothing to unpack) always take the products (docs/roofline.md).
 FUSED_TERMS_MAX = 128
 
 
@@ -275,7 +275,7 @@ def _fused_logits(qs: jax.Array, rows: jax.Array, bits: int) -> list[jax.Array]:
   """`_plane_products` as one unrolled multiply-add over the r dims per plane, the unpack fused
   in: XLA:CPU runs the batched products above as many tiny GEMMs and writes the float32 planes
   out first (8x the codes' bytes); this reads the codes once (docs/roofline.md). The unpack is
-  `planes`', applied to each r row as it is read (unpacking whole rows first measured slower)."""
+  `planes`', applied to each r row as it is read."""
   x = rows.astype(jnp.int32)[:, :, None]  # [B, Hkv, 1, r, Nb]
   mask = 2 ** bits - 1
   return [sum(qs[:, :, :, i, None] * ((x[:, :, :, i] >> (j * bits)) & mask).astype(jnp.float32)
