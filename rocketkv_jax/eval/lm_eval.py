@@ -37,20 +37,10 @@ model_args (lm-eval's `key=value,key=value`; model_args win over the CLI's --bat
   seed         sampling seed (default 0; batch i of a call uses seed + i).
   impl         "auto" | "xla" | "pallas" (the core's hot path).
 
-Requests:
-  * generate_until: grouped by generation settings, sorted by length, batched (ragged)
-    through `rocketkv.generate`; generation stops at EOS or max_gen_toks (default 256) and the
-    text is then cut at the first stop string of `until` (as lm-eval's HF backend does).
-    do_sample=false (default) is greedy; do_sample=true uses temperature and top_p, or top_k
-    (`sampling.TopK`; with top_p < 1 too, ValueError: no strategy here applies both; top_k=0
-    is off, as in transformers). Other generation kwargs are ignored with a warning.
-  * loglikelihood: `rocketkv.score_continuations`: the context is prefilled and the
-    continuation teacher-forced through the method's own decode steps, so the score is what
-    the compressed cache predicts. is_greedy: every continuation token was its step's argmax.
-  * loglikelihood_rolling: method="full" only (lm-eval's disjoint rolling windows over
-    max_length, each scored by a full-attention forward pass, which is what full KV predicts);
-    a compressed method raises ValueError (its cache is built from a prompt, and a rolling
-    perplexity has none to compress).
+Requests: generate_until through `rocketkv.generate`; loglikelihood through
+`rocketkv.score_continuations` (the continuation teacher-forced through the method's own decode
+steps); loglikelihood_rolling with method="full" only. Details:
+docs/evaluation.md#lm-evaluation-harness.
 """
 
 from __future__ import annotations

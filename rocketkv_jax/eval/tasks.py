@@ -17,22 +17,10 @@ Tasks (name -> what is asked, how it is scored):
   cwe              common-words extraction: a numbered word list where 5 words appear far more
                    often than the rest; `recall` of those 5 words.
 
-Filler: sentences produced by a small seeded grammar (subjects x verbs x objects x places), so
-the haystack is varied prose and needs no downloaded corpus. passkey uses its classic filler
-instead, one line repeated ("The grass is green. The sky is blue. ...").
-
-Answer prefix: passkey, niah_multivalue, niah_multiquery, vt and cwe end the user message with
-the question and start the assistant turn with RULER's answer prefix ("... the pass key
-mentioned in the provided text is"), which the model continues (`Sample.answer_prefix`,
-`prompt_ids`). niah_single and niah_multikey keep the prefix at the end of the user message, as
-in the published sweeps that were run with them; their answer is one number, which the model
-gives either way.
-
-Multi-turn: three needles, one in each third of the haystack in a random order, and one
-question per turn in the niah_single form (prefix at the end of the user message).
-
-Why each form was chosen (the SmolLM2-135M full-KV measurements behind them): results/sweep.md,
-"Task design notes".
+Filler is seeded prose from a small grammar (passkey: its classic repeated line); five tasks
+start the assistant turn with RULER's answer prefix; multi-turn asks about three needles, one
+per turn. Details: docs/evaluation.md#the-synthetic-tasks-rocketkv_jaxevaltaskspy; why each
+form: results/sweep.md, "Task design notes".
 
 Prompt format: a chat model gets the chat template (above); a base model (Gemma 3 270M) gets
 the same user message in completion form (`CompletionFormat`: BOS, the message, then the
