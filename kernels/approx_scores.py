@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from rocketkv_jax._checks import group_size, require, require_rank
-from rocketkv_jax.cache import two_sided
-from rocketkv_jax.ops import bound_rows_and_query, chunk_valid, group_queries, group_softmax_sum
+from rocketkv_jax.ops import (bound_rows_and_query, bounds_of, chunk_valid, group_queries,
+                              group_softmax_sum, two_sided)
 
 from ._util import cdiv, compiler_params, load_rows, next_pow2, padded_dim
 
@@ -125,6 +125,5 @@ def approx_chunk_scores(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: 
   require(kmin.shape[2] >= 1, "kmin / kmax must hold at least one chunk")
   require(getattr(q, "ndim", None) == 3 and q.shape[-1] == kmin.shape[-1],
           f"q must have shape [B, Hq, D={kmin.shape[-1]}], got {getattr(q, 'shape', None)}")
-  from rocketkv_jax.cache import bounds_of
   return approx_bounds_scores(q, bounds_of(kmin, kmax), length, chunk_size=chunk_size, r=r,
                               **kwargs)

@@ -1,15 +1,13 @@
 """Stage 2 `stage2="quant"`: per-slot logits from the packed low-bit key codes, on the r dims.
 
 Per KV head (G query heads in its group), the r dims stage 2 reads and the query scaled by each
-dim's grid step are picked in XLA (`lax.top_k` over [B, Hkv, D], tiny;
-`methods/stage2/quant.coded_query`, shared with `slot_logits_xla`). The kernel, grid (batch, KV
-head,
-block of code bytes), gathers just those r rows of `block_n` bytes straight from the codes
-`[B, Hkv, D, Nb]` uint8 ([R, block_n], R = r padded to a power of two >= 16, padding rows
-masked), unpacks each of the `8 / bits` code planes in registers and computes the G logit
-rows of each plane in fp32 as elementwise products summed over the rows (no tensor-core dot,
-as `approx_scores`: a [G, R] x [R, block_n] fp32 product would pad G to 16 rows on Triton's
-IEEE-fp32 FMA path).
+dim's grid step are picked in XLA (`lax.top_k` over [B, Hkv, D], tiny; `ops.coded_query`, shared
+with `slot_logits_xla`). The kernel, grid (batch, KV head, block of code bytes), gathers just
+those r rows of `block_n` bytes straight from the codes `[B, Hkv, D, Nb]` uint8 ([R, block_n], R
+= r padded to a power of two >= 16, padding rows masked), unpacks each of the `8 / bits` code
+planes in registers and computes the G logit rows of each plane in fp32 as elementwise products
+summed over the rows (no tensor-core dot, as `approx_scores`: a [G, R] x [R, block_n] fp32
+product would pad G to 16 rows on Triton's IEEE-fp32 FMA path).
 The unpacked codes never reach HBM: the step reads r * C * bits / 8 bytes of codes and writes
 G * 4 bytes of logits per slot. The masked softmax over slots, the group sum and `top_k` run in
 XLA (`select_quant`).
@@ -29,8 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from rocketkv_jax._checks import group_size, require, require_rank
-from rocketkv_jax.ops import group_queries
-from rocketkv_jax.methods.stage2.quant import BITS, coded_query
+from rocketkv_jax.ops import CODE_BITS, coded_query, group_queries
 
 from ._util import cdiv, compiler_params, load_rows, next_pow2, padded_dim
 
@@ -80,7 +77,7 @@ def quant_slot_logits(q: jax.Array, codes: jax.Array, step: jax.Array, *, r: int
   require(codes.dtype == jnp.uint8, f"codes must be uint8, got {codes.dtype}")
   require(getattr(step, "shape", None) == (b, hkv, d),
           f"step must have shape [B, Hkv, D]={(b, hkv, d)}, got {getattr(step, 'shape', None)}")
-  require(bits in BITS, f"bits must be one of {list(BITS)}, got {bits!r}")
+  require(bits in CODE_BITS, f"bits must be one of {list(CODE_BITS)}, got {bits!r}")
   per = 8 // bits
   require(isinstance(capacity, int) and 1 <= capacity <= nb * per,
           f"capacity must be an int in [1, Nb * 8 / bits = {nb * per}], got {capacity!r}")

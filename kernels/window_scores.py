@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from rocketkv_jax._checks import group_size, require, require_rank
-from rocketkv_jax.evict import WINDOW_REDUCE
+from rocketkv_jax.ops import WINDOW_REDUCE
 
 from ._util import (NEG_INF, cdiv, compiler_params, dot_precision, next_pow2, padded_dim,
                     safe_max)

@@ -36,6 +36,7 @@ from jax import lax
 
 from rocketkv_jax import layer_scan
 from rocketkv_jax._checks import require, require_int_array, require_rank
+from rocketkv_jax.ops import bounds_of, two_sided  # in ops: the kernels read them too
 
 
 # Whether 16-bit float caches are stored as uint16 bits: None = on the CPU backend only (GPU
@@ -166,22 +167,10 @@ def chunk_summaries(k: jax.Array, length: jax.Array, chunk_size: int):
   return jnp.where(any_valid, kmin, zero), jnp.where(any_valid, kmax, zero)
 
 
-def bounds_of(kmin: jax.Array, kmax: jax.Array) -> jax.Array:
-  """kmin, kmax [B, H, NC, D] -> bounds [B, H, 2D, NC] (the cache's summary layout)."""
-  return jnp.concatenate([jnp.swapaxes(kmin, 2, 3), jnp.swapaxes(kmax, 2, 3)], axis=2)
-
-
 def summary_bounds(kmin: jax.Array, kmax: jax.Array, chunk_size: int) -> jax.Array:
   """The cache's stored summaries: `bounds_of(kmin, kmax)`, or with chunk_size 1 (kmin = kmax)
   the one copy `[B, H, D, C]` (module doc)."""
   return jnp.swapaxes(kmin, 2, 3) if chunk_size == 1 else bounds_of(kmin, kmax)
-
-
-def two_sided(bounds: jax.Array, head_dim: int) -> bool:
-  """Whether `bounds [B, H, rows, NC]` holds kmin and kmax rows (2D) or one copy (D rows)."""
-  require(bounds.shape[2] in (head_dim, 2 * head_dim),
-          f"bounds must have D={head_dim} or 2D={2 * head_dim} rows, got {bounds.shape[2]}")
-  return bounds.shape[2] == 2 * head_dim
 
 
 def from_kept(k: jax.Array, v: jax.Array, pos: jax.Array, length: jax.Array,

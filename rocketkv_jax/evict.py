@@ -18,9 +18,8 @@ from rocketkv_jax import _impl
 from rocketkv_jax._checks import check_lengths, group_size, require, require_float, require_rank
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, from_kept
-from rocketkv_jax.ops import gather_rows, group_queries, masked_softmax, sink_recent_indices
-
-WINDOW_REDUCE = ("sum", "max")
+from rocketkv_jax.ops import (WINDOW_REDUCE, gather_rows, group_queries, masked_softmax,
+                             sink_recent_indices)
 
 
 def window_scores_xla(q_window: jax.Array, k: jax.Array, lengths: jax.Array,

@@ -13,6 +13,13 @@
   q is positive, else kmin), and the softmax temperature correction
   1 / sqrt(D * sum|q_r| / sum|q|); `bound_rows_and_query` applies both (the rows of
   `KVCache.bounds` a score reads and the scaled query on them).
+- `bounds_of`, `two_sided`: the cache's chunk-summary layout (kmin rows, then kmax rows; or one
+  copy of the keys for chunks of one slot).
+- `WINDOW_REDUCE`: stage 1's reductions of the window's scores.
+- `CODE_BITS`, `coded_query`: stage2="quant"'s code widths and the query that multiplies the
+  codes (the XLA path and the kernel).
+
+The kernels import only this module and `_checks`, so what they share with the core lives here.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from rocketkv_jax._checks import require
 
 
 def group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
@@ -143,3 +152,39 @@ def bound_rows_and_query(qg: jax.Array, r: int, two_sided: bool = True,
     rows = ridx
   q_r = jnp.take_along_axis(qg, ridx[:, :, None, :], axis=-1)
   return ridx, rows, q_r * approx_scale(q_r, qg)[..., None]
+
+
+def bounds_of(kmin: jax.Array, kmax: jax.Array) -> jax.Array:
+  """kmin, kmax [B, H, NC, D] -> bounds [B, H, 2D, NC] (the cache's summary layout)."""
+  return jnp.concatenate([jnp.swapaxes(kmin, 2, 3), jnp.swapaxes(kmax, 2, 3)], axis=2)
+
+
+def two_sided(bounds: jax.Array, head_dim: int) -> bool:
+  """Whether `bounds [B, H, rows, NC]` holds kmin and kmax rows (2D) or one copy (D rows)."""
+  require(bounds.shape[2] in (head_dim, 2 * head_dim),
+          f"bounds must have D={head_dim} or 2D={2 * head_dim} rows, got {bounds.shape[2]}")
+  return bounds.shape[2] == 2 * head_dim
+
+
+# Stage 1's reduction of the window queries' scores over the W queries and the group's heads.
+WINDOW_REDUCE = ("sum", "max")
+
+# Bits per key code of stage2="quant" (`methods/stage2/quant.py`).
+CODE_BITS = (1, 2, 4, 8)
+
+
+def coded_query(qg: jax.Array, step: jax.Array, r: int,
+                group_dims: str = "sum") -> tuple[jax.Array, jax.Array]:
+  """The r dims a stage2="quant" step reads and the query that multiplies their codes.
+
+  Args:
+    qg: [B, Hkv, G, D] float32 queries grouped by KV head.
+    step: [B, Hkv, D] per-channel grid steps.
+    r: dims read (static).
+    group_dims: how the group's heads weigh in the choice of dims (`GROUP_DIMS`, static).
+  Returns:
+    (ridx [B, Hkv, r] the dims (`top_r_dims`), qs [B, Hkv, G, r] q on them times SparQ's
+     temperature and each dim's grid step).
+  """
+  ridx, _, q_r = bound_rows_and_query(qg, r, group_dims=group_dims)
+  return ridx, q_r * jnp.take_along_axis(step, ridx, axis=-1)[:, :, None, :]

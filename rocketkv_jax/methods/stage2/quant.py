@@ -21,10 +21,10 @@ from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, valid_slots, write_rows
 from rocketkv_jax.attend import attend
 from rocketkv_jax.methods.stage2.base import Stage2
-from rocketkv_jax.ops import bound_rows_and_query, group_queries, group_sum, masked_softmax
+from rocketkv_jax.ops import CODE_BITS, coded_query, group_queries, group_sum, masked_softmax
 from rocketkv_jax.select import check_query, top_scored_slots
 
-BITS = (1, 2, 4, 8)
+BITS = CODE_BITS  # in ops: the kernel checks them too
 CAPACITY = ("paper", "equal_read")
 BOUND_BITS = 16  # the paper's bounds are read as 16-bit values (bf16 / fp16 caches)
 
@@ -219,23 +219,6 @@ def append_codes(state: QuantState, new: KVCache) -> QuantState:
     v_sum = v_sum + came - jnp.where(full, gone, 0.0)
   return state.replace(cache=new, codes=write_rows(state.codes, col, byte, axis=3),
                        v_sum=v_sum)
-
-
-def coded_query(qg: jax.Array, step: jax.Array, r: int,
-                group_dims: str = "sum") -> tuple[jax.Array, jax.Array]:
-  """The r dims a step reads and the query that multiplies their codes.
-
-  Args:
-    qg: [B, Hkv, G, D] float32 queries grouped by KV head.
-    step: [B, Hkv, D] per-channel grid steps.
-    r: dims read (static).
-    group_dims: how the group's heads weigh in the choice of dims (`ops.GROUP_DIMS`, static).
-  Returns:
-    (ridx [B, Hkv, r] the dims (`ops.top_r_dims`), qs [B, Hkv, G, r] q on them times SparQ's
-     temperature and each dim's grid step).
-  """
-  ridx, _, q_r = bound_rows_and_query(qg, r, group_dims=group_dims)
-  return ridx, q_r * jnp.take_along_axis(step, ridx, axis=-1)[:, :, None, :]
 
 
 # Above this many multiply-adds per logit (r dims x code planes) `slot_logits_xla` multiplies
