@@ -1,20 +1,22 @@
-"""RocketKV's decode-time select + attend, fused on a GPU.
+"""RocketKV's decode-time select + attend, fused on a GPU: a building block of the stage-2
+variants.
 
-`select_attend(q, cache, plan)` = `MinMax.select` then `attend` (the paper's stage 2);
-`quant_attend(q, state, plan)` = `methods/stage2/quant.decode_attend` (stage2="quant"). Under
-`impl="auto"` on CUDA and `impl="pallas"` it runs the two kernels of
-`kernels/fused_decode.py` (chunk scores; selection + attention) instead of the chain of small
-ops around the two unfused kernels; `impl="xla"` and every other platform under "auto" run the
-XLA chain. Caches the fused kernels do not take (a sliding window, a head dim that is not a
-power of two >= 16; for "quant" also `mean_value`) run the unfused chain with the same `impl`.
+`select_attend(q, cache, plan, chain)` serves `MinMax.attend` (the paper's stage 2) and
+`quant_attend(q, state, plan, chain)` serves `Quant.attend` (stage2="quant"); `chain(impl)` is
+the variant's own unfused select-then-attend. Under `impl="auto"` on CUDA and `impl="pallas"`
+they run the two kernels of `kernels/fused_decode.py` (chunk scores; selection + attention)
+instead of the chain; `impl="xla"` and every other platform under "auto" run the XLA chain.
+Caches the fused kernels do not take (a sliding window, a head dim that is not a power of two
+>= 16) run the chain with the same `impl`.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 
 from rocketkv_jax import _impl
-from rocketkv_jax.attend import attend
 from rocketkv_jax.cache import KVCache
 from rocketkv_jax.select import check_chunks, check_query
 
@@ -24,21 +26,14 @@ def _fusable(head_dim: int) -> bool:
   return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def select_attend(q: jax.Array, cache: KVCache, plan, *, sliding_window: int | None = None,
-                  impl: str = "auto") -> jax.Array:
+def select_attend(q: jax.Array, cache: KVCache, plan, chain: Callable[[str], jax.Array], *,
+                  sliding_window: int | None = None, impl: str = "auto") -> jax.Array:
   """Attention of `q [B, Hq, D]` over the `plan.top_k` slots of `cache` (already holding the
-  query's token) that RocketKV's approximate chunk scores pick. Returns [B, Hq, D] in q's
-  dtype."""
-  from rocketkv_jax.methods.stage2.minmax import MinMax  # MinMax.attend calls this module
-
+  query's token) that RocketKV's approximate chunk scores pick; `chain(impl)` computes the same
+  unfused. Returns [B, Hq, D] in q's dtype."""
   check_query(q, cache)
   check_chunks(cache, plan.chunk_size)
   _impl.check(impl)
-
-  def chain(which):
-    idx = MinMax().select(q, cache, plan, sliding_window=sliding_window, impl=which)
-    return attend(q, cache, idx, sliding_window=sliding_window, impl=which)
-
   if impl == "xla" or sliding_window is not None or not _fusable(cache.k.shape[-1]):
     return chain(impl)
 
@@ -51,20 +46,14 @@ def select_attend(q: jax.Array, cache: KVCache, plan, *, sliding_window: int | N
   return _impl.dispatch(impl, lambda: chain("xla"), pallas)
 
 
-def quant_attend(q: jax.Array, state, plan, *, sliding_window: int | None = None,
-                 impl: str = "auto") -> jax.Array:
-  """`quant.decode_attend(q, state, plan)` (state: the `QuantState` after the step's append), as
-  two kernels where `impl` and the state allow. Returns [B, Hq, D] in q's dtype."""
-  from rocketkv_jax.methods.stage2 import quant  # Quant.attend calls this module
-
+def quant_attend(q: jax.Array, state, plan, chain: Callable[[str], jax.Array], *,
+                 sliding_window: int | None = None, impl: str = "auto") -> jax.Array:
+  """Attention of `q` over the `plan.top_k` slots the key codes of `state` (a `QuantState` after
+  the step's append) pick; `chain(impl)` computes the same unfused. Returns [B, Hq, D] in q's
+  dtype."""
   _impl.check(impl)
-
-  def chain(which):
-    return quant.decode_attend(q, state, plan, sliding_window=sliding_window, impl=which)
-
   cache = state.cache
-  if (impl == "xla" or sliding_window is not None or plan.stage2.mean_value
-      or not _fusable(cache.k.shape[-1])):
+  if impl == "xla" or sliding_window is not None or not _fusable(cache.k.shape[-1]):
     return chain(impl)
   check_query(q, cache)
 

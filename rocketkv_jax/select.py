@@ -204,3 +204,12 @@ def top_chunk_slots(chunk_scores: jax.Array, cache: KVCache, k: int,
                     sliding_window: int | None = None) -> jax.Array:
   """The k best valid slots of `cache` when every slot takes its chunk's score `[B, Hkv, NC]`."""
   return top_slots(chunk_scores, valid_slots(cache, sliding_window), cache.chunk_size, k)
+
+
+def approx_select(q: jax.Array, cache: KVCache, plan, *, sliding_window: int | None = None,
+                  impl: str = "auto") -> jax.Array:
+  """The `plan.top_k` best slots by RocketKV / SparQ's approximate chunk scores (steps 1-4 of
+  the module doc): the select of SparQ and of RocketKV's stage2="minmax"."""
+  check_chunks(cache, plan.chunk_size)
+  chunk = approx_scores(q, cache, plan.r, group_dims=plan.group_dims, impl=impl)
+  return top_chunk_slots(chunk, cache, min(plan.top_k, cache.capacity), sliding_window)

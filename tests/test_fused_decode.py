@@ -1,7 +1,8 @@
 """The fused stage-2 decode kernels (kernels/fused_decode.py, interpret mode) against the XLA
 path: the same slots as `select.top_slots` over `approx_bounds_scores_xla` (ties included), the
 attention output within the kernels' tolerances, on ragged batches and GQA groups 1 / 3 / 4,
-chunks of 1 and 3 slots, fp32 and bf16; and `fused_step.select_attend` choosing them."""
+chunks of 1 and 3 slots, fp32 and bf16; and `MinMax.attend` / `Quant.attend` choosing them
+(rocketkv_jax/fused_step.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ import numpy as np
 import pytest
 
 import rocketkv_jax as rocketkv
-from rocketkv_jax import fused_step
 from rocketkv_jax.kernels import fused_decode
-from rocketkv_jax.methods.sparq import approx_select
+from rocketkv_jax.select import approx_select
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -109,7 +109,7 @@ def test_select_attend_hook_chooses_the_fused_kernels():
   tests/test_kernels.py's 20 decode steps); a sliding window takes the unfused chain's two
   kernels; impl="xla" none."""
   q, cache, plan = _cache(3, 2, 8, 2, 32, 96, 32, [96, 70], F32)
-  run = functools.partial(fused_step.select_attend, plan=plan)
+  run = functools.partial(plan.stage2.attend, plan=plan)  # MinMax.attend
   # two kernels in each of the platform_dependent branches (compiled for CUDA, interpreted)
   assert _pallas_calls(functools.partial(run, impl="pallas"), q, cache) == (4, True)
   assert _pallas_calls(functools.partial(run, impl="pallas", sliding_window=50), q,
@@ -160,5 +160,5 @@ def test_fused_quant_equals_xla(bits, dtype, group_dims):
   ref = jax.jit(functools.partial(stage2_quant.decode_attend, plan=plan, impl="xla"))(q, state)
   tol = dict(rtol=1e-4, atol=1e-5) if dtype == F32 else dict(rtol=2e-2, atol=2e-2)
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **tol)
-  assert _pallas_calls(functools.partial(fused_step.quant_attend, plan=plan, impl="pallas"),
+  assert _pallas_calls(functools.partial(plan.stage2.attend, plan=plan, impl="pallas"),
                        q, state) == (4, True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from rocketkv_jax.methods.base import Method, full_split, require_half_budget
-from rocketkv_jax.select import approx_scores, check_chunks, top_chunk_slots
+from rocketkv_jax.select import approx_select
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,10 +29,3 @@ class SparQ(Method):
 
   def select(self, q, cache, plan, *, sliding_window=None, impl="auto"):
     return approx_select(q, cache, plan, sliding_window=sliding_window, impl=impl)
-
-
-def approx_select(q, cache, plan, *, sliding_window=None, impl="auto"):
-  """The `plan.top_k` best slots by RocketKV / SparQ's approximate chunk scores."""
-  check_chunks(cache, plan.chunk_size)
-  chunk = approx_scores(q, cache, plan.r, group_dims=plan.group_dims, impl=impl)
-  return top_chunk_slots(chunk, cache, min(plan.top_k, cache.capacity), sliding_window)

@@ -12,9 +12,10 @@ import dataclasses
 
 from rocketkv_jax import fused_step
 from rocketkv_jax._checks import require
+from rocketkv_jax.attend import attend
 from rocketkv_jax.cache import KVCache
 from rocketkv_jax.methods.stage2.base import Stage2
-from rocketkv_jax.methods.sparq import approx_select
+from rocketkv_jax.select import approx_select
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,4 +31,10 @@ class MinMax(Stage2):
     # Two kernels on a GPU where the cache allows (fused_step.py); else select, then attend.
     require(isinstance(state, KVCache),
             f"a stage2={self.name!r} plan needs a KVCache, got a {type(state).__name__}")
-    return fused_step.select_attend(q, state, plan, sliding_window=sliding_window, impl=impl)
+
+    def chain(which):
+      idx = self.select(q, state, plan, sliding_window=sliding_window, impl=which)
+      return attend(q, state, idx, sliding_window=sliding_window, impl=which)
+
+    return fused_step.select_attend(q, state, plan, chain, sliding_window=sliding_window,
+                                    impl=impl)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from rocketkv_jax import _impl
+from rocketkv_jax import _impl, fused_step
 from rocketkv_jax._checks import require
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, valid_slots, write_rows
@@ -108,10 +108,15 @@ class Quant(Stage2):
     return select_quant(q, state, plan, sliding_window=sliding_window, impl=impl)
 
   def attend(self, q, state, plan, *, sliding_window=None, impl="auto"):
-    # `decode_attend` (with the mean-value fill where it asks), as two kernels on a GPU where
-    # the state allows (fused_step.py).
-    from rocketkv_jax import fused_step  # fused_step imports this module
-    return fused_step.quant_attend(q, state, plan, sliding_window=sliding_window, impl=impl)
+    # `decode_attend`, as two kernels on a GPU where the state allows (fused_step.py); the
+    # kernels have no mean-value fill.
+    def chain(which):
+      return decode_attend(q, state, plan, sliding_window=sliding_window, impl=which)
+
+    if self.mean_value:
+      return chain(impl)
+    return fused_step.quant_attend(q, state, plan, chain, sliding_window=sliding_window,
+                                   impl=impl)
 
 
 def equal_read_capacity(capacity: int, chunk_size: int, bits: int) -> int:
