@@ -28,6 +28,9 @@ GROUP_DIMS_SPECS = ["rocketkv::normalized", "rocketkv:quant:normalized", "sparq:
 B, HKV, G, D, L, NEW, BUDGET = 2, 2, 2, 16, 48, 6, 16
 LENGTHS = np.array([48, 29], np.int32)
 LAYER = 2  # a layer index no method keeps dense here (Quest's are 0 and 1)
+# Methods whose `select` shares the layer's Hkv * top_k reads among its KV heads (one head may
+# read more than top_k): [B, Hkv, min(Hkv * top_k, C)] indices, the rest marked invalid.
+SHARES_READ_ACROSS_HEADS = ("exact_topk_heads",)
 
 
 def _config(spec, **kw):
@@ -105,7 +108,7 @@ def test_selection_respects_the_budget(name):
   valid = idx < length[:, None, None]
   if method.dense:
     assert plan.top_k == 0 and idx.shape[2] == cache.capacity
-  elif method.shares_read_across_heads:  # the layer's HKV * top_k reads, shared by its heads
+  elif method.name in SHARES_READ_ACROSS_HEADS:
     assert 1 <= plan.top_k <= BUDGET
     assert idx.shape[2] == min(HKV * plan.top_k, cache.capacity)
     for b in range(B):

@@ -18,7 +18,6 @@ and a few class-level facts the harness and `generate` read instead of its name:
 (what B means for it), `dense`, `uses_budget`, `keeps_full_cache`, `replan_per_turn`,
 `stage2_variants` (the names of the `RocketConfig.stage2` variants it accepts),
 `accepts_skip_layers` (whether `RocketConfig.skip_layers` may be other than 0),
-`shares_read_across_heads` (its `select` splits the layer's reads among the KV heads),
 `picks_dims` (it scores on the r query dims of `ops.top_r_dims`: `RocketConfig.group_dims`),
 `reads_by_mass` (its read per head and step follows the attention mass: the state counts it,
 `rows_read`), `takes_turns` (`rocketkv.Conversation` can add a turn to its state).
@@ -60,9 +59,6 @@ class Method:
   stage2_variants: ClassVar[tuple[str, ...]] = ("minmax",)
   # RocketConfig.skip_layers may be > 0: `split` puts it in the Plan, `dense_layers` reads it.
   accepts_skip_layers: ClassVar[bool] = False
-  # `select` shares the layer's Hkv * top_k reads among its KV heads (one head may read more
-  # than top_k): its index array is [B, Hkv, min(Hkv * top_k, C)], the rest marked invalid.
-  shares_read_across_heads: ClassVar[bool] = False
   # `select` reads, per head, the fewest slots holding `plan.read_mass` of the attention: its
   # index array is [B, Hkv, C], and `rows_read(state)` gives the mean rows it read per step.
   reads_by_mass: ClassVar[bool] = False
