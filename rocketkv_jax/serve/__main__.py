@@ -1,0 +1,141 @@
+"""The OpenAI-compatible server's command line (docs/serving.md).
+
+    python -m rocketkv_jax.serve --model smollm2 --method recommended --budget 256 \\
+        --kv-cache-mb 2048 --port 8000
+
+Flags take vLLM's names where vLLM has one. User errors (a bad flag, model path, method or
+engine setting) print one line, `error: ...`, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+class UsageError(ValueError):
+  """A bad command line: printed as one `error: ...` line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):
+    raise UsageError(f"{message} (see --help)")
+
+
+def parser() -> argparse.ArgumentParser:
+  p = _Parser(prog="python -m rocketkv_jax.serve", description=__doc__,
+              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", default="smollm2",
+                 help="smollm2 (the default), gemma3, a Hugging Face checkpoint directory or a "
+                      ".gguf file")
+  p.add_argument("--method", default="recommended",
+                 help="a KV method (rocketkv_jax.METHODS) or recommended (the default: "
+                      "RocketConfig.recommended)")
+  p.add_argument("--budget", type=int, default=256,
+                 help="token budget B of the one budget split every request shares (default 256)")
+  p.add_argument("--kv-cache-mb", type=float, default=None,
+                 help="the slots' KV memory in MiB: as many slots as fit, at most --max-num-seqs "
+                      "(default: --max-num-seqs slots)")
+  p.add_argument("--max-num-seqs", type=int, default=8, help="decode slots at most (default 8)")
+  p.add_argument("--max-model-len", type=int, default=None,
+                 help="prompt + generated tokens of one request (default: min(4096, the "
+                      "model's context))")
+  p.add_argument("--max-new-tokens", type=int, default=256,
+                 help="new tokens the budget split plans for, and the default max_tokens; "
+                      "prompts hold up to max-model-len minus this (default 256)")
+  p.add_argument("--max-waiting", type=int, default=256,
+                 help="requests that may wait for a slot; beyond it the server answers 503 "
+                      "(default 256)")
+  p.add_argument("--steps-per-call", type=int, default=1,
+                 help="decode steps per compiled call (default 1: a token per call, the "
+                      "smoothest streaming)")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                 help="parameter and KV-cache dtype (default float32)")
+  p.add_argument("--tensor-parallel-size", type=int, default=1,
+                 help="only 1 is supported yet")
+  p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only)")
+  p.add_argument("--port", type=int, default=8000, help="default 8000")
+  p.add_argument("--served-model-name", default=None,
+                 help="the model name clients send (default: --model's last path component)")
+  p.add_argument("--api-key", default=os.environ.get("ROCKETKV_API_KEY"),
+                 help="require `Authorization: Bearer <key>` on /v1 (default: $ROCKETKV_API_KEY, "
+                      "else no key)")
+  p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                 help="on SIGTERM / Ctrl-C, seconds running requests may take to finish before "
+                      "they are aborted (default 10)")
+  p.add_argument("--uvicorn-log-level", default="info",
+                 choices=["critical", "error", "warning", "info", "debug", "trace"])
+  p.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
+  return p
+
+
+def check(args: argparse.Namespace) -> None:
+  """The checks that need no model; UsageError names the flag."""
+  import rocketkv_jax as rocketkv
+
+  if args.tensor_parallel_size != 1:
+    raise UsageError(f"--tensor-parallel-size {args.tensor_parallel_size} is not supported yet "
+                     "(the server runs on one device)")
+  if args.method != "recommended" and args.method not in rocketkv.METHODS:
+    raise UsageError(f"--method must be recommended or one of {list(rocketkv.METHODS)}, got "
+                     f"{args.method!r}")
+  for flag in ("budget", "max_num_seqs", "max_new_tokens", "steps_per_call"):
+    if getattr(args, flag) < 1:
+      raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+  if args.max_waiting < 0:
+    raise UsageError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+  if not 0 < args.port < 65536:
+    raise UsageError(f"--port must be in [1, 65535], got {args.port}")
+  if args.api_key == "":
+    raise UsageError("--api-key must not be empty")
+
+
+def build_engine(args: argparse.Namespace):
+  """Loads the model and makes the engine (not started); ValueError / OSError are user errors."""
+  import jax.numpy as jnp
+
+  import rocketkv_jax as rocketkv
+  from rocketkv_jax.runtime.engine import Engine, EngineConfig
+
+  path = rocketkv.models.resolve(args.model)
+  model = rocketkv.models.load(path, dtype=getattr(jnp, args.dtype))
+  if args.method == "recommended":
+    rocket_config = rocketkv.RocketConfig.recommended(args.budget)
+  else:
+    rocket_config = rocketkv.RocketConfig(token_budget=args.budget, method=args.method)
+  max_model_len = args.max_model_len or min(4096, model.config.max_position_embeddings)
+  return Engine(model, EngineConfig(
+      rocket_config, max_model_len=max_model_len, max_new_tokens=args.max_new_tokens,
+      max_num_seqs=args.max_num_seqs, kv_cache_mb=args.kv_cache_mb,
+      max_waiting=args.max_waiting, steps_per_call=args.steps_per_call))
+
+
+def main(argv=None) -> None:
+  debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+  try:
+    args = parser().parse_args(argv)
+    check(args)
+    from rocketkv_jax.serve import build_app, serve  # the extra's ImportError names it
+
+    engine = build_engine(args)
+  except (ValueError, OSError, ImportError) as e:
+    if debug:
+      raise
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+  name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+  st = engine.stats()
+  print(f"rocketkv serve: {name}, {engine.plan.method} B={engine.plan.token_budget}, "
+        f"{st.num_slots} slots of {st.slot_bytes / 2**20:.1f} MiB, max_model_len "
+        f"{engine.config.max_model_len}; compiling {len(engine.buckets) + 1} programs ...",
+        file=sys.stderr, flush=True)
+  print(f"rocketkv serve: compiled in {engine.warmup():.1f} s; listening on "
+        f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+  engine.start()
+  serve(build_app(engine, name, args.api_key), engine, host=args.host, port=args.port,
+        shutdown_timeout=args.shutdown_timeout, log_level=args.uvicorn_log_level)
+
+
+if __name__ == "__main__":
+  main()
