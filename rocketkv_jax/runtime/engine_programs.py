@@ -32,15 +32,19 @@ def sample_rows(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, key
   its min_tokens)."""
   logits = jnp.where(ban, -jnp.inf, logits.astype(jnp.float32))
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  t = jnp.maximum(temperature, 1e-6)[:, None]
-  scaled = logits / t
-  ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
-  probs = jax.nn.softmax(ordered, axis=-1)
-  keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]  # at least the top token
-  cutoff = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
-  scaled = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-  sampled = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, scaled)
-  return jnp.where(temperature == 0, greedy, sampled.astype(jnp.int32))
+
+  def sample(logits):
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(ordered, axis=-1)
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]  # at least the top token
+    cutoff = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+    scaled = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
+    sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jnp.where(temperature == 0, greedy, sampled)
+
+  # the vocabulary sort only when some row samples: an all-greedy batch costs one argmax
+  return lax.cond(jnp.any(temperature > 0), sample, lambda _: greedy, logits)
 
 
 def _ban(eos: jax.Array, n_generated: jax.Array, min_tokens: jax.Array, vocab: int):
@@ -120,6 +124,7 @@ def decode_program(params, state, last, positions, n_generated, temperature, top
                       _ban(eos, n, min_tokens, logits.shape[-1]))
     return state, nxt, out.at[:, i].set(nxt)
 
-  state, _, out = lax.fori_loop(0, steps, body,
-                                (state, last, jnp.zeros((s, steps), jnp.int32)))
+  carry = (state, last, jnp.zeros((s, steps), jnp.int32))
+  # one step runs straight, not as a loop: a loop's carry may copy the whole state per call
+  state, _, out = body(0, carry) if steps == 1 else lax.fori_loop(0, steps, body, carry)
   return out, state

@@ -1,0 +1,106 @@
+"""The serving engine's decode step against `rocketkv.generate`'s, side by side in one run.
+
+    python3 benchmarks/engine_step.py --model smollm2 --slots 4 --prompt-len 2048 \\
+        --new 64 --budget 256 --out runs/engine_step
+
+Both decode the same `--slots` prompts of `--prompt-len` tokens with the same plan (generate's
+`pad_to` = the engine's plan prompt length), greedy, no EOS. `generate` runs its whole decode as
+one on-device loop; the engine runs one compiled call of `--steps-per-call` steps per host
+round trip with every slot busy. Reported per method: ms per decode step of each (median over
+`--repeats` alternating runs) and their ratio (engine / generate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import bench_common
+import rocketkv_jax as rocketkv
+from rocketkv_jax.runtime.engine import Engine, EngineConfig, SamplingParams
+
+
+def _configs(budget: int) -> dict:
+  return {"full": rocketkv.RocketConfig(token_budget=budget, method="full"),
+          "rocketkv": rocketkv.RocketConfig(token_budget=budget),
+          "recommended": rocketkv.RocketConfig.recommended(budget)}
+
+
+def _engine_ms(eng: Engine, prompts, new: int) -> float:
+  """ms per decode step with every slot busy (the admissions are not timed)."""
+  params = SamplingParams(max_tokens=new + 1, temperature=0.0, ignore_eos=True)
+  handles = [eng.add_request(p, params) for p in prompts]
+  while eng.stats().num_waiting:  # admit every prompt (prefills), then time the decode calls
+    eng.step()
+  steps, t0 = 0, time.perf_counter()
+  while eng.stats().num_running == len(prompts) and steps + eng.config.steps_per_call <= new:
+    eng._decode()  # pylint: disable=protected-access  (one decode call, no admission)
+    steps += eng.config.steps_per_call
+  ms = 1e3 * (time.perf_counter() - t0) / steps
+  for h in handles:
+    h.cancel()
+  eng.step()
+  return ms
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--model", default="smollm2", help="smollm2, gemma3, an HF dir or a .gguf")
+  ap.add_argument("--slots", type=int, default=4)
+  ap.add_argument("--prompt-len", type=int, default=2048)
+  ap.add_argument("--new", type=int, default=64, help="decode steps timed")
+  ap.add_argument("--budget", type=int, default=256)
+  ap.add_argument("--steps-per-call", type=int, default=1)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--methods", default="full,rocketkv,recommended")
+  ap.add_argument("--out", default="runs/engine_step")
+  a = ap.parse_args(argv)
+  try:
+    path = rocketkv.models.resolve(a.model)
+  except (ValueError, FileNotFoundError) as e:
+    print(f"error: --model: {e}", file=sys.stderr)
+    return 2
+  configs = _configs(a.budget)
+  names = a.methods.split(",")
+  bad = [n for n in names if n not in configs]
+  if bad or min(a.slots, a.prompt_len, a.new, a.repeats, a.steps_per_call) < 1:
+    print(f"error: --methods must be among {list(configs)} and sizes >= 1", file=sys.stderr)
+    return 2
+  model = rocketkv.models.load(path)
+  tok = model.tokenizer
+  prompts = [bench_common.niah_prompt_ids(tok, a.prompt_len, index=i)[:a.prompt_len]
+             for i in range(a.slots)]
+  rows = []
+  for name in names:
+    rc = configs[name]
+    eng = Engine(model, EngineConfig(rc, max_model_len=a.prompt_len + 2 * a.new + 2,
+                                     max_new_tokens=a.new + 1, max_num_seqs=a.slots,
+                                     steps_per_call=a.steps_per_call))
+    eng_ms, gen_ms = [], []
+    for r in range(a.repeats + 1):  # the first round compiles both; not reported
+      e = _engine_ms(eng, prompts, a.new)
+      res = rocketkv.generate(model, prompts, rocket_config=rc, max_new_tokens=a.new + 1,
+                              pad_to=eng.plan.prompt_len, eos_token_ids=())
+      g = res.stats["decode_ms_per_token"]
+      if r:
+        eng_ms.append(e)
+        gen_ms.append(g)
+    row = dict(method=name, slots=a.slots, prompt_len=a.prompt_len, budget=a.budget,
+               steps_per_call=a.steps_per_call, engine_ms=statistics.median(eng_ms),
+               generate_ms=statistics.median(gen_ms), engine_runs=eng_ms, generate_runs=gen_ms)
+    row["ratio"] = row["engine_ms"] / row["generate_ms"]
+    rows.append(row)
+    print(f"{name:12s} engine {row['engine_ms']:8.2f} ms/step  generate "
+          f"{row['generate_ms']:8.2f} ms/step  ratio {row['ratio']:.3f}", flush=True)
+  os.makedirs(a.out, exist_ok=True)
+  with open(os.path.join(a.out, "engine_step.json"), "w") as f:
+    json.dump(dict(command=" ".join(sys.argv), model=a.model, rows=rows), f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
