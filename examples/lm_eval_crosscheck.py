@@ -43,11 +43,11 @@ def main(argv=None) -> int:
   import lm_eval
   from lm_eval.tasks import TaskManager
 
-  import rocketkv_jax.models as M
+  from rocketkv_jax import models
   from rocketkv_jax.eval import lm_eval as backend
   from rocketkv_jax.eval import harness, lm_eval_export
 
-  model = M.load(M.smollm2_path())
+  model = models.load(models.smollm2_path())
   os.makedirs(args.out, exist_ok=True)
   configs = [("full", None), ("rocketkv", args.budget)]
   rows, timing = [], {}

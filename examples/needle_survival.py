@@ -24,7 +24,6 @@ import sys
 import numpy as np
 
 import rocketkv_jax as rocketkv
-import rocketkv_jax.models as M
 from rocketkv_jax import methods as methods_lib
 from rocketkv_jax.eval import harness, tasks, variants
 from rocketkv_jax.eval.runner import Runner
@@ -106,7 +105,8 @@ def summary(rows: list[dict], specs: list[str]) -> str:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--model", default=None, help="HF directory, .gguf, or gemma3 (default: SmolLM2)")
+  p.add_argument("--model", default=None,
+                 help="smollm2 (the default), gemma3, an HF directory or a .gguf")
   p.add_argument("--task", default="niah_single", choices=("niah_single", "niah_multikey"))
   p.add_argument("--length", type=int, default=2048, help="context tokens (default 2048)")
   p.add_argument("--samples", type=int, default=20, help="default 20")
@@ -125,7 +125,7 @@ def main(argv=None):
                               prompt_format=a.prompt_format)
     for m in a.methods:
       variants.rocket_config(m, a.budget)
-    model = M.load(M.gemma3_path() if a.model == "gemma3" else (a.model or M.smollm2_path()))
+    model = rocketkv.models.load(rocketkv.models.resolve(a.model))
     harness.check_model(model, cfg)
   except (ValueError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)

@@ -25,7 +25,9 @@ def _cases(tmp: Path):
   dist = ["--coordinator", "localhost:9876", "--num-processes", "2", "--process-id", "0"]
   return {
       "budget 0": (["--budget", "0"], "token_budget must be an int >= 1, got 0"),
-      "missing model": (["--model", str(tmp / "nope")], "nope' does not exist"),
+      "missing model": (["--model", str(tmp / "nope")],
+                        f"--model: model must be one of ['smollm2', 'gemma3'], an HF directory or "
+                        f"a .gguf file, got {str(tmp / 'nope')!r}"),
       "no config.json": (["--model", str(no_config)], "no config.json in"),
       "not a gguf": (["--model", str(fake)], "fake.gguf': expected a GGUF file (the magic bytes b'GGUF'"),
       "empty prompt file": (["--prompt-file", str(empty)], "empty.txt' is empty"),
