@@ -34,30 +34,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 import rocketkv_jax as rocketkv
 
+import bench_common
+
 HQ, HKV, D = 32, 8, 128
 
 
-def _median_time(fn, args, repeats, donate_idx=None):
-  """Median wall time of fn(*args) over `repeats` calls (after one warm-up)."""
-  out = fn(*args)
-  jax.block_until_ready(out)
-  times = []
-  for _ in range(repeats):
-    if donate_idx is not None:
-      args = list(args)
-      args[donate_idx] = out[1]
-    t0 = time.perf_counter()
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+def _next_cache(args, out):
+  """A step's arguments (q, k_new, v_new, cache, ...) with the cache it returned (donated)."""
+  return args[:3] + (out[1],) + args[4:]
 
 
 def dense_attend(q, k_new, v_new, k, v, length):
@@ -113,7 +103,8 @@ def _read_pass_time(nbytes, dtype, repeats):
   n = max(int(nbytes // jnp.dtype(dtype).itemsize), 1)
   x = jnp.ones((n,), dtype)
   f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-  return _median_time(f, (x,), max(repeats, 100))  # small passes are noisy: many repeats
+  # small passes are noisy: many repeats
+  return bench_common.time_calls(f, x, repeats=max(repeats, 100)).median
 
 
 def _inputs(dtype, seed=0):
@@ -130,13 +121,13 @@ def bench_dense(context, dtype, repeats):
   k1, k2 = jax.random.split(jax.random.PRNGKey(1))
   kf = jax.random.normal(k1, (1, HKV, context, D), dtype)
   vf = jax.random.normal(k2, (1, HKV, context, D), dtype)
-  t = _median_time(dense_step, (q, kn, vn, (kf, vf), jnp.int32(context - 1)), repeats,
-                   donate_idx=3)
+  t = bench_common.time_calls(dense_step, q, kn, vn, (kf, vf), jnp.int32(context - 1),
+                              repeats=repeats, chain=_next_cache).median
   if dtype.itemsize == 2:  # the fastest dense step we can write: also try bit storage
     kf = _bits(jax.random.normal(k1, (1, HKV, context, D), dtype))
     vf = _bits(jax.random.normal(k2, (1, HKV, context, D), dtype))
-    t = min(t, _median_time(dense_step, (q, kn, vn, (kf, vf), jnp.int32(context - 1)), repeats,
-                            donate_idx=3))
+    t = min(t, bench_common.time_calls(dense_step, q, kn, vn, (kf, vf), jnp.int32(context - 1),
+                                       repeats=repeats, chain=_next_cache).median)
   nbytes = 2 * HKV * context * D * jnp.dtype(dtype).itemsize
   return t, nbytes, _read_pass_time(nbytes, dtype, repeats)
 
@@ -155,7 +146,7 @@ def bench_rocketkv(context, budget, dtype, repeats, skip_layers=0):
                                                            layer=skip_layers),
                  donate_argnums=3)
   # The plan leaves 100 free slots, so the 90 repeats never fill the cache.
-  t = _median_time(step, (q, kn, vn, cache), 90, donate_idx=3)
+  t = bench_common.time_calls(step, q, kn, vn, cache, repeats=90, chain=_next_cache).median
   item = jnp.dtype(dtype).itemsize
   # Bytes the step must read: per KV head, one bound (kmax where the group-summed q_d > 0, else
   # kmin) on each of the r dims for every chunk, + top_k K and V rows.
@@ -245,13 +236,10 @@ def bench_stage2(context, budget, dtype, variants, rounds, steps, impl):
   for _ in range(rounds):
     for s2 in variants:
       step, state, plan, times, _ = runs[s2]
-      for _ in range(steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        out = step(q, kn, vn, state)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0, time.process_time() - c0))
-        state = out[1]
-      runs[s2][1] = state
+      t = bench_common.time_calls(step, q, kn, vn, state, repeats=steps, warmup=0,
+                                  chain=_next_cache)
+      times.extend(zip(t.wall, t.cpu))
+      runs[s2][1] = t.out[1]
   item = jnp.dtype(dtype).itemsize
   return {s2: (statistics.median(t for t, _ in times), statistics.median(c for _, c in times),
                 stage2_read_bytes(plan, item), plan, held)

@@ -1,5 +1,6 @@
 """Shared by benchmarks/profile_decode_step.py and benchmarks/roofline.py: a model's decode step
-built the way `generate` runs it, its timing and its XLA:CPU per-op profile.
+built the way `generate` runs it and its XLA:CPU per-op profile (timed with
+`bench_common.time_calls`).
 
 The step is `models.llama.decode_step` over random per-layer K/V built by the method's own
 `rocketkv.prefill` (no real prompt pass, so an 8K x 16 step needs no 8K prefill), jitted with
@@ -11,14 +12,7 @@ imported (`TRACEME_FLAG`): the caller sets it.
 from __future__ import annotations
 
 import collections
-import glob
-import gzip
-import json
-import os
 import re
-import statistics
-import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +21,8 @@ import rocketkv_jax as rocketkv
 from rocketkv_jax import methods
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.precision import compute_params
+
+import bench_common
 
 TRACEME_FLAG = "--xla_cpu_enable_xprof_traceme=true"
 _SKIP = ("Thunk", "Pjit", "PjRt", "$")  # runtime / Python frames, not ops
@@ -72,33 +68,18 @@ def model_step(model, config, context: int, batch: int, free: int, layout: str =
   return run, (cache, jnp.int32(0), logits), plan, params
 
 
-def time_steps(run, state, steps: int, warmup: int = 3):
-  """(median wall s per step, mean CPU s per step, state): `warmup` steps (compile included),
-  then `steps` steps timed one by one (each waited for)."""
-  for _ in range(warmup):
-    state = run(state)
-  jax.block_until_ready(state)
-  times, c0 = [], time.process_time()
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    state = jax.block_until_ready(run(state))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times), (time.process_time() - c0) / steps, state
-
-
 def op_profile(run, state, steps: int):
   """(us per step by op name, thread ids by op name, state) over `steps` traced steps."""
-  with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp, create_perfetto_trace=True):
-      for _ in range(steps):
-        state = run(state)
-      jax.block_until_ready(state)
-    path = sorted(glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True))[-1]
-    events = json.load(gzip.open(path))
-  events = events["traceEvents"] if isinstance(events, dict) else events
+  def traced():
+    nonlocal state
+    for _ in range(steps):
+      state = run(state)
+    jax.block_until_ready(state)
+
+  events = bench_common.trace_events(traced, create_perfetto_trace=True)
   total, threads = collections.Counter(), collections.defaultdict(set)
   for e in events:
-    if e.get("ph") == "X" and not any(s in e["name"] for s in _SKIP):
+    if not any(s in e["name"] for s in _SKIP):
       total[e["name"]] += e.get("dur", 0)
       threads[e["name"]].add(e.get("tid"))
   return collections.Counter({k: v / steps for k, v in total.items()}), threads, state

@@ -8,6 +8,10 @@ with transformers (PyTorch CPU, full KV, same dtype) on the same prompt as the o
 `--skip-layers N` adds, at each budget, RocketKV with `RocketConfig.skip_layers=N` (an ablation:
 the first N layers keep their whole cache and attend densely), labelled `rocketkv:skip_layers=N`.
 
+Prompt: the chat-templated `niah_single` haystack (`rocketkv_jax/eval/tasks.py`, sample 0) of
+at most --lengths tokens (`bench_common.niah_prompt_ids`, as in throughput.py), the same ids for
+both systems; the table's prompt column is its token count.
+
 For each prompt length and dtype: our full KV, RocketKV at each budget, then transformers in a
 subprocess (so its peak RSS is its own). Then the bf16 targets of issue #15 as ratios of rows
 measured in this run: our bf16 prefill / our fp32 prefill (target <= 0.5 at 4K and 8K), our bf16
@@ -39,22 +43,7 @@ import subprocess
 import sys
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-# Run as a script, this folder is sys.path[0], where kernels.py would shadow the PyPI package
-# `kernels` that transformers imports.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-
-
-def _prompt_ids(tokenizer, n: int) -> list[int]:
-  sys.path.insert(0, os.path.join(_HERE, "..", "examples"))
-  from generate import demo_prompt  # examples/generate.py
-
-  ids: list[int] = []
-  paragraphs = 60
-  while len(ids) < n:
-    ids = tokenizer.encode(demo_prompt(paragraphs))
-    paragraphs *= 2
-  return ids[:n]
+import bench_common
 
 
 def _hf_worker(n: int, new_tokens: int, dtype: str) -> None:
@@ -70,7 +59,7 @@ def _hf_worker(n: int, new_tokens: int, dtype: str) -> None:
   from rocketkv_jax.models.tokenizer import Tokenizer
 
   meta = gguf_loader.read_metadata(gguf_loader.open_gguf(path))
-  ids = _prompt_ids(Tokenizer.from_gguf_fields(meta), n)
+  ids = bench_common.niah_prompt_ids(Tokenizer.from_gguf_fields(meta), n)
   directory, name = os.path.split(path)
   model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
                                                dtype=getattr(torch, dtype)).eval()
@@ -98,24 +87,9 @@ def _matmul_gflops(dtype="float32") -> float:
   import jax.numpy as jnp
 
   n = 2048
-  a = jnp.ones((n, n), dtype)
-  f = jax.jit(lambda a: a @ a)
-  f(a).block_until_ready()
-  best = float("inf")
-  for _ in range(10):
-    t0 = time.perf_counter()
-    f(a).block_until_ready()
-    best = min(best, time.perf_counter() - t0)
+  best = bench_common.time_calls(jax.jit(lambda a: a @ a), jnp.ones((n, n), dtype),
+                                 repeats=10).best
   return 2 * n**3 / best / 1e9
-
-
-def _prefill_gflop(config, n: int) -> float:
-  """Matmul FLOPs of an n-token prompt pass that skips masked attention exactly: projections
-  and MLP for every token, causal QK^T and PV (n(n+1)/2 pairs per query head), LM head once."""
-  d, f, dh = config.hidden_size, config.intermediate_size, config.head_dim
-  proj = d * dh * (2 * config.num_heads + 2 * config.num_kv_heads) + 3 * d * f
-  attn = 2 * config.num_heads * dh * n * (n + 1) / 2
-  return (2 * config.num_layers * (n * proj + attn) + 2 * d * config.vocab_size) / 1e9
 
 
 def main(argv=None):
@@ -170,7 +144,7 @@ def main(argv=None):
   for n in [int(x) for x in args.lengths.split(",")]:
     for dt in dtypes:
       model = models[dt]
-      ids = _prompt_ids(model.tokenizer, n)
+      ids = bench_common.niah_prompt_ids(model.tokenizer, n)
       runs = [("full", 0)] + [("rocketkv", int(b)) for b in args.budgets.split(",")]
       if args.skip_layers:
         runs += [(f"rocketkv:skip_layers={args.skip_layers}", int(b))
@@ -183,8 +157,8 @@ def main(argv=None):
                                 max_new_tokens=args.new_tokens, eos_token_ids=())
         s = res.stats
         got[(n, "ours", dt, method, budget)] = (s["prefill_s"], s["decode_ms_per_token"])
-        emit(f"| {n} | rocketkv-jax | {dt} | {method} | {budget or '-'} | {s['prefill_s']:.2f} "
-             f"| {s['decode_ms_per_token']:.1f} | {s['kv_tokens_kept']} "
+        emit(f"| {len(ids)} | rocketkv-jax | {dt} | {method} | {budget or '-'} "
+             f"| {s['prefill_s']:.2f} | {s['decode_ms_per_token']:.1f} | {s['kv_tokens_kept']} "
              f"| {s['kv_cache_bytes'] / 2**20:.1f} | {s['peak_bytes'] / 2**20:.0f} "
              f"| {s['compile_s']:.1f} |")
       if not args.no_transformers:
@@ -193,13 +167,13 @@ def main(argv=None):
                              capture_output=True, text=True, check=True)
         hf = json.loads(out.stdout.strip().splitlines()[-1])
         got[(n, "hf", dt, "full", 0)] = (hf["prefill_s"], hf["decode_ms"])
-        emit(f"| {n} | transformers {_hf_version()} | {dt} | full | - | {hf['prefill_s']:.2f} "
-             f"| {hf['decode_ms']:.1f} | {n} | {hf['kv_mb']:.1f} | {hf['peak_mb']:.0f} (RSS) "
-             f"| - |")
+        emit(f"| {hf['tokens']} | transformers {_hf_version()} | {dt} | full | - "
+             f"| {hf['prefill_s']:.2f} | {hf['decode_ms']:.1f} | {hf['tokens']} "
+             f"| {hf['kv_mb']:.1f} | {hf['peak_mb']:.0f} (RSS) | - |")
     if "float32" in rates:
-      gflop = _prefill_gflop(models[dtypes[0]].config, n)
-      emit(f"| {n} | floor: {gflop:.0f} GFLOP at {rates['float32']:.0f} GFLOP/s | float32 | - "
-           f"| - | {gflop / rates['float32']:.2f} | - | - | - | - | - |")
+      gflop = bench_common.prefill_gflop(models[dtypes[0]].config, len(ids))
+      emit(f"| {len(ids)} | floor: {gflop:.0f} GFLOP at {rates['float32']:.0f} GFLOP/s "
+           f"| float32 | - | - | {gflop / rates['float32']:.2f} | - | - | - | - | - |")
   targets = _targets(got, [int(x) for x in args.lengths.split(",")],
                      [0] + [int(b) for b in args.budgets.split(",")])
   for line in targets:

@@ -40,9 +40,11 @@ import time
 
 import jax
 
-import rocketkv_jax.models as M
+from rocketkv_jax import models
 from rocketkv_jax.eval import harness
 from rocketkv_jax.eval import runner as runner_lib
+
+import bench_common
 
 METHODS = ("full", "exact_topk", "rocketkv", "snapkv", "quest", "sparq", "streamingllm")
 BUDGETS = (64, 128, 256, 512, 1024)
@@ -136,10 +138,8 @@ def _layer_loop(model, a) -> None:
   outs = {}
   for _ in range(a.rounds):
     for key, prog in progs.items():
-      outs[key] = jax.block_until_ready(prog(*args))  # warm, then timed
-      t0 = time.perf_counter()
-      jax.block_until_ready(prog(*args))
-      best[key] = min(best[key], time.perf_counter() - t0)
+      t = bench_common.time_calls(prog, *args, repeats=1)  # warm, then timed
+      outs[key], best[key] = t.out, min(best[key], t.best)
   same = all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in
              zip(jax.tree.leaves(outs[False, mn]), jax.tree.leaves(outs[True, mn])))
   print(f"tokens of the two forms identical: {same}", flush=True)
@@ -219,7 +219,7 @@ def main(argv=None):
   a = p.parse_args(argv)
   if a.cache_dir and a.mode not in ("program", "layer-loop", "temps"):
     jax.config.update("jax_compilation_cache_dir", a.cache_dir)
-  model = M.load(M.smollm2_path())
+  model = models.load(models.smollm2_path())
   _rss("model loaded")
   if a.mode == "program":
     _program(model, a)

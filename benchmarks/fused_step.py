@@ -12,7 +12,7 @@ For each (batch, context, budget):
     valid selected slots the fused selection also took (1.0 = the same slots);
   * kernels: launches per call in the compiled program (entry instructions other than
     parameters, tuples, bitcasts and constants) for fused / chain / XLA;
-  * time: microseconds per call, `benchmarks/kernels.py`'s loop (serialised calls in one
+  * time: microseconds per call, `benchmarks/kernel_bench.py`'s loop (serialised calls in one
     jitted fori_loop, median of 5), and the empty-loop floor measured the same way.
 """
 
@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
-import os
-import re
 import sys
 import time
 
@@ -35,11 +32,9 @@ import rocketkv_jax as rocketkv
 from rocketkv_jax.methods.stage2 import quant as stage2_quant
 from rocketkv_jax.kernels import fused_decode
 
+import kernel_bench as kb  # benchmarks/kernel_bench.py: its random caches, loop timer, checks
+
 T0 = time.perf_counter()
-_spec = importlib.util.spec_from_file_location(
-    "bench_kernels", os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.py"))
-kb = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kb)
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "impl"))

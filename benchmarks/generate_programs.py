@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 
 import rocketkv_jax as rocketkv
-import rocketkv_jax.models as M
 from rocketkv_jax.runtime import sampling
 from rocketkv_jax.models import llama
+
+import bench_common
 
 generate_lib = sys.modules["rocketkv_jax.runtime.generate"]  # the module (the package exports the function)
 
@@ -43,7 +44,7 @@ def main(argv=None):
   p.add_argument("--time-prompt-pass", type=int, default=0, metavar="N",
                  help="time full KV's prompt pass scanned against unrolled, N calls each")
   a = p.parse_args(argv)
-  model = M.load(M.smollm2_path())
+  model = rocketkv.models.load(rocketkv.models.smollm2_path())
   if a.time_prompt_pass:
     return _time_prompt_pass(model, a)
   c, sds = model.config, jax.ShapeDtypeStruct
@@ -100,10 +101,9 @@ def _time_prompt_pass(model, a):
   wall, cpu = dict.fromkeys(progs, 0.0), dict.fromkeys(progs, 0.0)
   for _ in range(a.time_prompt_pass):
     for name, f in progs.items():
-      t0, c0 = time.perf_counter(), time.process_time()
-      jax.block_until_ready(f(model.params, tokens, lengths))
-      wall[name] += time.perf_counter() - t0
-      cpu[name] += time.process_time() - c0
+      t = bench_common.time_calls(f, model.params, tokens, lengths, warmup=0)
+      wall[name] += t.wall[0]
+      cpu[name] += t.cpu[0]
   print(f"full KV prompt pass, {a.length} x {a.batch}, {a.time_prompt_pass} interleaved calls each")
   for name in progs:
     print(f"{name}: {wall[name] / a.time_prompt_pass:.2f} s wall, "

@@ -28,7 +28,7 @@ timeout 100 $py benchmarks/fused_step.py --deadline-s 70 --json "$OUT/fused_step
 timeout 270 $py benchmarks/gpu_e2e.py --deadline-s 200 --grace-s 60 --impl "$impl" --out "$OUT/gpu_e2e" \
   > "$OUT/gpu_e2e.log" 2>&1; echo "gpu_e2e rc=$?" >> "$OUT/rc.txt"
 # 4. the per-kernel sweep at 32K (<= 90 s)
-timeout 90 $py benchmarks/kernels.py --checks e2e --lengths 32768 --budgets 256 1024 \
+timeout 90 $py benchmarks/kernel_bench.py --checks e2e --lengths 32768 --budgets 256 1024 \
   --batches 1 4 --deadline-s 60 --json "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1
 echo "kernels rc=$?" >> "$OUT/rc.txt"
 cat "$OUT/rc.txt"; tail -5 "$OUT/pytest.log"; tail -20 "$OUT/gpu_e2e/gpu_e2e.md" 2>/dev/null

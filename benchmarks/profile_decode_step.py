@@ -16,7 +16,7 @@ Two steps can be traced:
     python benchmarks/profile_decode_step.py --model smollm2 --method full --context 8000 \\
         --batch 4 --layout stack
 
-It prints the step's wall and CPU ms (the mean of --steps untraced steps), then
+It prints the step's wall and CPU ms (the mean of --steps untraced steps, each waited for), then
 the mean microseconds per step of the most expensive ops and how many threads ran each. The
 trace events exist only with --xla_cpu_enable_xprof_traceme=true, which this script adds to
 XLA_FLAGS before importing jax. Profiling adds its own overhead: compare ops with each other,
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_cpu_enable_xprof_traceme=true").strip()
@@ -38,21 +37,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import rocketkv_jax as rocketkv  # noqa: E402
 
-
-
-def _load_decode_steps():
-  """benchmarks/decode_steps.py, loaded by path: benchmarks/ on sys.path in an importing process
-  (the tests) would let benchmarks/kernels.py shadow the PyPI `kernels` that transformers uses."""
-  import importlib.util
-  here = os.path.dirname(os.path.abspath(__file__))
-  spec = importlib.util.spec_from_file_location("decode_steps",
-                                                os.path.join(here, "decode_steps.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
-
-
-decode_steps = _load_decode_steps()
+import bench_common  # noqa: E402
+import decode_steps  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
@@ -81,8 +67,7 @@ def _attention_step(a):
 
 def _model_step(a):
   """(step(state) -> state, state, title) for a checkpoint's whole decode step."""
-  model = rocketkv.models.load(rocketkv.models.smollm2_path() if a.model == "smollm2"
-                               else a.model, dtype=jnp.dtype(a.dtype))
+  model = rocketkv.models.load(rocketkv.models.resolve(a.model), dtype=jnp.dtype(a.dtype))
   free = 5 + 2 * a.steps  # slots the plan leaves for the steps run
   config = rocketkv.RocketConfig(token_budget=a.budget, method=a.method, stage2=a.stage2)
   run, state, _, _ = decode_steps.model_step(model, config, a.context, a.batch, free, a.layout)
@@ -99,8 +84,8 @@ def main(argv=None):
   ap.add_argument("--stage2", default="minmax", choices=list(rocketkv.STAGE2),
                   help="RocketConfig.stage2: the stage-2 variant whose step is profiled")
   ap.add_argument("--model", default=None,
-                  help="trace a checkpoint's whole decode step: an HF directory, a .gguf, or "
-                       "smollm2 (the embedded SmolLM2-135M)")
+                  help="trace a checkpoint's whole decode step: smollm2 (the embedded "
+                       "SmolLM2-135M), gemma3 (Gemma 3 270M), an HF directory or a .gguf")
   ap.add_argument("--method", default="rocketkv", choices=list(rocketkv.METHODS),
                   help="--model: the KV method")
   ap.add_argument("--batch", type=int, default=1, help="--model: sequences")
@@ -116,15 +101,15 @@ def main(argv=None):
   if a.steps < 1:
     print(f"error: --steps must be >= 1, got {a.steps}", file=sys.stderr)
     return 2
-  step, state, title = (_model_step if a.model else _attention_step)(a)
-  for _ in range(5):  # compile and warm up
-    state = step(state)
-  jax.block_until_ready(state)
-  t0, c0 = time.perf_counter(), time.process_time()
-  for _ in range(a.steps):
-    state = step(state)
-  jax.block_until_ready(state)
-  wall, cpu = (time.perf_counter() - t0) / a.steps, (time.process_time() - c0) / a.steps
+  try:
+    step, state, title = (_model_step if a.model else _attention_step)(a)
+  except (ValueError, FileNotFoundError) as e:  # --model: not a model; gemma3 not installed
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  # 5 steps compile and warm up; each timed step is waited for
+  t = bench_common.time_calls(step, state, repeats=a.steps, warmup=5,
+                              chain=lambda args, out: (out,))
+  wall, cpu, state = t.mean, t.cpu_mean, t.out
   us, threads, state = decode_steps.op_profile(step, state, a.steps)
   print(f"{title}: {wall * 1e3:.1f} ms / step wall, {cpu * 1e3:.1f} ms CPU (untraced); "
         f"traced, mean us per step over {a.steps} steps:")

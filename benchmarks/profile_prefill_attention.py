@@ -16,13 +16,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
 import os
 import re
-import tempfile
-import time
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_cpu_enable_xprof_traceme=true").strip()
@@ -30,6 +25,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 
 from rocketkv_jax.models.attention import blockwise_causal_attention  # noqa: E402
+
+import bench_common  # noqa: E402
 
 _SKIP = ("Thunk", "Pjit", "PjRt", "$")
 
@@ -51,26 +48,16 @@ def main():
   k = jax.random.normal(keys[1], (b, hkv, n, d))
   v = jax.random.normal(keys[2], (b, hkv, n, d))
   f = jax.jit(lambda q, k, v: blockwise_causal_attention(q, k, v, block_size=a.block_size))
-  f(q, k, v).block_until_ready()
-  best = float("inf")
-  for _ in range(a.calls):
-    t0 = time.perf_counter()
-    f(q, k, v).block_until_ready()
-    best = min(best, time.perf_counter() - t0)
+  best = bench_common.time_calls(f, q, k, v, repeats=a.calls).best
   gflop = 4 * b * hq * d * n * (n + 1) / 2 / 1e9
   print(f"batch {b}, length {n}, block {a.block_size}: {best * 1e3:.1f} ms per call "
         f"(best of {a.calls}), "
         f"{gflop / best:.0f} GFLOP/s of causal attention")
-  with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp):
-      for _ in range(a.calls):
-        f(q, k, v).block_until_ready()
-    path = sorted(glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True))[-1]
-    events = json.load(gzip.open(path))
-  events = events["traceEvents"] if isinstance(events, dict) else events
+  events = bench_common.trace_events(
+      lambda: [f(q, k, v).block_until_ready() for _ in range(a.calls)])
   total, count = collections.Counter(), collections.Counter()
   for e in events:
-    if e.get("ph") == "X" and not any(s in e["name"] for s in _SKIP):
+    if not any(s in e["name"] for s in _SKIP):
       total[e["name"]] += e.get("dur", 0)
       count[e["name"]] += 1
   hlo = f.lower(q, k, v).compile().as_text().splitlines()

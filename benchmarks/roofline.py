@@ -34,9 +34,9 @@ import json
 import math
 import os
 import sys
-import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+import bench_common
+
 DEFAULT_METHODS = ("full", "snapkv", "rocketkv",
                    "rocketkv:stage2=quant,quant_capacity=equal_read,window_reduce=max")
 QUANT_LOGITS = ("auto", "products")  # --quant-logits forms
@@ -143,18 +143,8 @@ def decode_accounting(params: dict, config, plan, batch: int, kv_itemsize: int) 
 
 def prefill_flops(config, n: int) -> float:
   """Matmul FLOPs of one n-token prompt pass, causal attention counted once
-  (benchmarks/end_to_end.py's `_prefill_gflop`)."""
-  return _sibling("end_to_end")._prefill_gflop(config, n) * 1e9
-
-
-def _sibling(name: str):
-  """benchmarks/<name>.py, loaded by path: putting benchmarks/ on sys.path in an importing
-  process (the tests) would let benchmarks/kernels.py shadow the PyPI `kernels` package."""
-  import importlib.util
-  spec = importlib.util.spec_from_file_location(name, os.path.join(_HERE, f"{name}.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  (`bench_common.prefill_gflop`, as end_to_end.py's floor rows)."""
+  return bench_common.prefill_gflop(config, n) * 1e9
 
 
 def floor_s(nbytes: float, flops: float, bandwidth: float, rate: float) -> tuple[float, float]:
@@ -168,10 +158,7 @@ def bandwidth_bps(mbytes: int, repeats: int) -> float:
   import jax
   import jax.numpy as jnp
   x = jnp.ones((mbytes * 2**20 // 4,), jnp.float32)
-  f = jax.jit(jnp.sum)
-  f(x).block_until_ready()
-  best = min(_timed(lambda: f(x).block_until_ready()) for _ in range(repeats))
-  return x.nbytes / best
+  return x.nbytes / bench_common.time_calls(jax.jit(jnp.sum), x, repeats=repeats).best
 
 
 def matmul_flops(n: int, dtype: str, repeats: int) -> float:
@@ -179,10 +166,7 @@ def matmul_flops(n: int, dtype: str, repeats: int) -> float:
   import jax
   import jax.numpy as jnp
   a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.dtype(dtype))
-  f = jax.jit(lambda a: a @ a)
-  f(a).block_until_ready()
-  best = min(_timed(lambda: f(a).block_until_ready()) for _ in range(repeats))
-  return 2 * n**3 / best
+  return 2 * n**3 / bench_common.time_calls(jax.jit(lambda a: a @ a), a, repeats=repeats).best
 
 
 def cpu_model() -> str:
@@ -193,12 +177,6 @@ def cpu_model() -> str:
   except OSError:
     names = []
   return names[0] if names else "unknown"
-
-
-def _timed(fn) -> float:
-  t0 = time.perf_counter()
-  fn()
-  return time.perf_counter() - t0
 
 
 def _tiny_model(dtype):
@@ -225,9 +203,7 @@ def _prefill_s(model, n: int, repeats: int) -> float:
                                              stacked=True))
   tokens = jnp.ones((1, n), jnp.int32)
   lengths = jnp.full((1,), n, jnp.int32)
-  jax.block_until_ready(f(model.params, tokens, lengths))
-  return min(_timed(lambda: jax.block_until_ready(f(model.params, tokens, lengths)))
-             for _ in range(repeats))
+  return bench_common.time_calls(f, model.params, tokens, lengths, repeats=repeats).best
 
 
 # --------------------------------------------------------------------------- CLI
@@ -244,7 +220,8 @@ def _ints(s: str) -> list[int]:
 def _parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--model", default="smollm2",
-                  help="an HF directory, a .gguf, or smollm2 (the embedded SmolLM2-135M)")
+                  help="smollm2 (the embedded SmolLM2-135M), gemma3 (Gemma 3 270M), an HF "
+                       "directory or a .gguf")
   ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   ap.add_argument("--lengths", default=None, help="prompt lengths (default 4000,8000)")
   ap.add_argument("--batches", default=None, help="batch sizes (default 1,4,8,16)")
@@ -344,19 +321,16 @@ def main(argv=None) -> int:
   import jax.numpy as jnp
   import rocketkv_jax as rocketkv
   from rocketkv_jax.models.precision import native_bf16_cpu
-  decode_steps = _sibling("decode_steps")
+  import decode_steps  # benchmarks/decode_steps.py, which imports jax: after the flag above
 
   dtype = jnp.dtype(a.dtype)
   try:
     if a.quick:
       model = _tiny_model(dtype)
     else:
-      path = rocketkv.models.smollm2_path() if a.model == "smollm2" else a.model
-      if not os.path.exists(path):
-        raise ValueError(f"--model {a.model!r}: no such file or directory")
-      model = rocketkv.models.load(path, dtype=dtype)
+      model = rocketkv.models.load(rocketkv.models.resolve(a.model), dtype=dtype)
     rows = _check_rows(a, model)
-  except ValueError as e:
+  except (ValueError, FileNotFoundError) as e:  # FileNotFoundError: gemma3 not installed
     print(f"error: {e}", file=sys.stderr)
     return 2
 
@@ -393,7 +367,9 @@ def main(argv=None) -> int:
     label = spec if form in (None, "auto") else f"{spec} [logits: {form}]"
     run, state, plan, params = decode_steps.model_step(model, cfg, n, b, free, a.layout)
     acc = decode_accounting(params, c, plan, b, dtype.itemsize)
-    med, cpu, state = decode_steps.time_steps(run, state, a.steps, a.warmup)
+    t = bench_common.time_calls(run, state, repeats=a.steps, warmup=a.warmup,
+                                chain=lambda args, out: (out,))
+    med, cpu, state = t.median, t.cpu_mean, t.out
     tb, tf = floor_s(acc["bytes"], acc["flops"], bw, rate)
     fl = max(tb, tf)
     row = dict(prompt=n, batch=b, method=spec, quant_logits=form, measured_ms=med * 1e3,

@@ -69,8 +69,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import importlib
 import json
 import os
@@ -82,11 +80,9 @@ import sys
 import tempfile
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-# Run as a script, this folder is sys.path[0], where kernels.py would shadow the PyPI package
-# `kernels` that transformers imports.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-_ROOT = os.path.dirname(_HERE)
+import bench_common
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS_DIR = os.path.join(_ROOT, "runs")
 METHODS = ("full", "snapkv", "rocketkv", "recommended", "transformers")
 DEFAULT_METHODS = ("full", "snapkv", "rocketkv", "transformers")
@@ -167,12 +163,9 @@ def build_prompts(model_path: str, lengths, batches, seed: int = 0) -> dict[str,
   """{"LxB": B prompts (token ids)} for every length and batch (see the module docstring)."""
   import numpy as np
 
-  from rocketkv_jax.eval import tasks
   from rocketkv_jax.models import api
 
   config, tok = api.load_config(model_path)
-  if tok is not None:  # a base model (no chat template): the task in completion form
-    tok = tasks.formatted(tok, "chat" if tok.chat_template else "completion")
   out = {}
   for n in lengths:
     for b in batches:
@@ -180,8 +173,7 @@ def build_prompts(model_path: str, lengths, batches, seed: int = 0) -> dict[str,
         rng = np.random.default_rng([seed, n, b])
         ids = [rng.integers(3, config.vocab_size, size=t).tolist() for t in _targets(n, b)]
       else:
-        ids = [tasks.prompt_ids(tok, tasks.make_sample(tok, "niah_single", n, i, seed=seed,
-                                                       target_tokens=t))
+        ids = [bench_common.niah_prompt_ids(tok, n, i, seed=seed, target_tokens=t)
                for i, t in enumerate(_targets(n, b))]
       out[f"{n}x{b}"] = ids
   return out
@@ -362,24 +354,20 @@ def _trace_ms(fn, args, calls: int) -> tuple[dict[str, float], float, float]:
   compiled `fn(*args)` over `calls` traced calls."""
   import jax
 
-  jax.block_until_ready(fn(*args))  # warm up
-  best, cpu0 = float("inf"), _cpu_s()
-  with tempfile.TemporaryDirectory() as tmp:
-    with jax.profiler.trace(tmp):
-      for _ in range(calls):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    cpu = (_cpu_s() - cpu0) / calls
-    path = sorted(glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True))[-1]
-    events = json.load(gzip.open(path))
-  events = events["traceEvents"] if isinstance(events, dict) else events
+  jax.block_until_ready(fn(*args))  # warm up, outside the trace
+  timing = None
+
+  def traced():
+    nonlocal timing
+    timing = bench_common.time_calls(fn, *args, repeats=calls, warmup=0)
+
+  events = bench_common.trace_events(traced)
   src = _hlo_sources(fn.as_text())
   per_src: collections.Counter = collections.Counter()
   for e in events:
-    if e.get("ph") == "X" and not any(s in e["name"] for s in _SKIP):
+    if not any(s in e["name"] for s in _SKIP):
       per_src[src.get(e["name"], e["name"])] += e.get("dur", 0) / calls / 1e3
-  return dict(per_src), best, cpu
+  return dict(per_src), timing.best, timing.cpu_mean
 
 
 def _profile_row(spec: dict) -> dict:
@@ -602,8 +590,8 @@ def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", default=None,
-                 help="HF directory or .gguf, or gemma3 (Gemma 3 270M) (default: the embedded "
-                      "SmolLM2-135M)")
+                 help="smollm2 (the embedded SmolLM2-135M, the default), gemma3 (Gemma 3 270M), "
+                      "an HF directory or a .gguf")
   p.add_argument("--lengths", default="4096,8000",
                  help="longest prompt per batch, comma-separated (8000 + 64 new fit in 8192)")
   p.add_argument("--batches", default="1,4,8",
@@ -648,11 +636,11 @@ def _check(a) -> None:
       raise ValueError(f"--{name} must be positive integers")
   if a.new_tokens < 2:
     raise ValueError(f"--new-tokens must be >= 2 (one decode step), got {a.new_tokens}")
-  if a.model in (None, "gemma3"):
-    from rocketkv_jax.models import api
-    a.model = api.smollm2_path() if a.model is None else api.gemma3_path()
-  if not os.path.exists(a.model):
-    raise ValueError(f"--model {a.model!r} does not exist")
+  from rocketkv_jax import models
+  try:
+    a.model = models.resolve(a.model)
+  except ValueError as e:
+    raise ValueError(f"--model: {e}") from None
   if not a.dry_run:
     a.out = output_dir(a.out, a.overwrite)
 

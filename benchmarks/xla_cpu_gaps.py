@@ -26,22 +26,9 @@ Results and what they mean: docs/roofline.md, "Where the gaps go".
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
-
-def _timed(fn, *args, repeats: int) -> float:
-  """Median seconds of `fn(*args)` after one warm-up call (compile)."""
-  import jax
-
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+import bench_common
 
 
 def _buffers(shape, n, seed):
@@ -56,7 +43,8 @@ def _read_s(bufs, repeats):
   import jax
   import jax.numpy as jnp
 
-  return _timed(jax.jit(lambda xs: [jnp.sum(x) for x in xs]), bufs, repeats=repeats)
+  return bench_common.time_calls(jax.jit(lambda xs: [jnp.sum(x) for x in xs]), bufs,
+                                 repeats=repeats).median
 
 
 def skinny_matmul_rows(d, f, layers, batches, repeats):
@@ -81,7 +69,7 @@ def skinny_matmul_rows(d, f, layers, batches, repeats):
   for m in batches:
     x = jax.random.normal(jax.random.PRNGKey(99), (m, d), jnp.float32)
     for fmt, ws in (("[D, F]", kn), ("[F, D]", nk)):
-      s = _timed(chain("kn" if ws is kn else "nk"), x, ws, repeats=repeats)
+      s = bench_common.time_calls(chain("kn" if ws is kn else "nk"), x, ws, repeats=repeats).median
       rows.append((f"matmul [{m}, {d}] x {layers} weights {fmt}", s, gb / s, read))
   return rows
 
@@ -104,7 +92,7 @@ def attention_rows(batch, hkv, g, c, d, layers, repeats):
     return q
 
   q = jax.random.normal(jax.random.PRNGKey(7), (batch, hkv, g, d), jnp.float32)
-  s = _timed(jax.jit(run), q, ks, vs, repeats=repeats)
+  s = bench_common.time_calls(jax.jit(run), q, ks, vs, repeats=repeats).median
   return [(f"dense attention B={batch} Hkv={hkv} G={g} C={c} D={d} x {layers} layers", s,
            gb / s, read)]
 
@@ -117,7 +105,8 @@ def topk_rows(rows, n, k, layers, repeats):
   from jax import lax
 
   xs = _buffers((rows, n), layers, 0)
-  s = _timed(jax.jit(lambda xs: [lax.top_k(x, k)[1] for x in xs]), xs, repeats=repeats)
+  s = bench_common.time_calls(jax.jit(lambda xs: [lax.top_k(x, k)[1] for x in xs]), xs,
+                              repeats=repeats).median
   host = [np.asarray(x) for x in xs]
 
   def partial():
@@ -128,7 +117,7 @@ def topk_rows(rows, n, k, layers, repeats):
       out.append(np.take_along_axis(part, order, 1))
     return out
 
-  s_np = _timed(partial, repeats=repeats)
+  s_np = bench_common.time_calls(partial, repeats=repeats).median
   return [(f"top_k k={k} of [{rows}, {n}] x {layers}", s, None, None),
           ("NumPy argpartition + sort of the k, one thread (the same scores)", s_np, None, None)]
 
@@ -152,13 +141,13 @@ def gather_rows(batch, hkv, c, d, k, layers, repeats):
   rows = []
   runs = runs.reshape(batch, hkv, -1)[..., :k]
   for what, idx in (("random slots", scattered), ("runs of 3 slots", runs)):
-    s = _timed(fn, ks, jnp.asarray(idx, jnp.int32), repeats=repeats)
+    s = bench_common.time_calls(fn, ks, jnp.asarray(idx, jnp.int32), repeats=repeats).median
     rows.append((f"row gather {what}, {batch * hkv} x {k} rows of {d} x {layers}", s, gb / s, read))
   flat = (np.arange(batch * hkv).reshape(batch, hkv, 1) * c + scattered).ravel()
   host = [np.asarray(x).reshape(-1, d) for x in ks]
   out = np.empty((flat.size, d), np.float32)
   copy = lambda: [np.take(x, flat, axis=0, out=out) for x in host]
-  s = _timed(copy, repeats=repeats)
+  s = bench_common.time_calls(copy, repeats=repeats).median
   rows.append(("NumPy row copy, random slots, one thread (the same rows)", s, gb / s, read))
   return rows
 
@@ -170,22 +159,23 @@ def prefill_rows(n, d, f, hq, hkv, dh, repeats, square=2048):
   from rocketkv_jax.models.attention import blockwise_causal_attention
 
   sq = _buffers((square, square), 1, 5)[0]
-  ref = 2 * square ** 3 / 1e9 / _timed(jax.jit(lambda a: a @ a), sq, repeats=repeats)
+  square_s = bench_common.time_calls(jax.jit(lambda a: a @ a), sq, repeats=repeats).median
+  ref = 2 * square ** 3 / 1e9 / square_s
   shapes = {"q, o": [(d, hq * dh), (hq * dh, d)], "k, v": [(d, hkv * dh)] * 2,
             "gate, up": [(d, f)] * 2, "down": [(f, d)]}
   rows = []
   for name, shp in shapes.items():
     ws = [_buffers(w, 1, 8 + i)[0] for i, w in enumerate(shp)]
     xs = [_buffers((n, w[0]), 1, 16 + i)[0] for i, w in enumerate(shp)]  # [n, K] inputs
-    s = _timed(jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws)]), xs, ws,
-               repeats=repeats)
+    s = bench_common.time_calls(jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws)]), xs,
+                                ws, repeats=repeats).median
     gf = sum(2 * n * k * m for k, m in shp) / 1e9
     rows.append((f"prefill products {name}: [{n}, K] x "
                  + ", ".join(f"[{k}, {m}]" for k, m in shp), s, gf / s, ref))
   q = _buffers((1, hq, n, dh), 1, 20)[0]
   k, v = _buffers((1, hkv, n, dh), 2, 21)
-  s = _timed(jax.jit(lambda q, k, v: blockwise_causal_attention(q, k, v)), q, k, v,
-             repeats=repeats)
+  s = bench_common.time_calls(jax.jit(lambda q, k, v: blockwise_causal_attention(q, k, v)), q,
+                              k, v, repeats=repeats).median
   gf = 4 * hq * dh * n * (n + 1) / 2 / 1e9  # QK^T and PV over the causal pairs, once
   rows.append((f"prefill attention, causal, {hq}/{hkv} heads x {dh}, {n} tokens", s, gf / s,
                ref))

@@ -12,7 +12,7 @@ reference path.
   (== methods/stage2/quant.slot_logits_xla).
 
 Status, correctness on a GPU and timings: docs/kernels.md. Block sizes, split counts and warps
-are static keyword arguments with untuned defaults; `benchmarks/kernels.py` checks and times
+are static keyword arguments with untuned defaults; `benchmarks/kernel_bench.py` checks and times
 them. fp32 operands use IEEE fp32 (never TF32).
 jax 0.11 deprecates the Pallas Triton backend.
 """

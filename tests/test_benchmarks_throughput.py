@@ -1,22 +1,16 @@
 """benchmarks/throughput.py: one fast grid on a tiny checkpoint (our full KV and transformers,
 each in its own subprocess), its KV bytes against the caches' shapes, and the target lines."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
+import bench_scripts
 from model_fixtures import TINY, hf_checkpoint
-
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
 
 
 def _module():
-  spec = importlib.util.spec_from_file_location("throughput", SCRIPT)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return bench_scripts.load("throughput")
 
 
 def test_grid_on_a_tiny_checkpoint(tmp_path):

@@ -1,7 +1,6 @@
 """benchmarks/roofline.py: its byte / FLOP accounting against numbers computed by hand for a tiny
 2-layer model, `--quick` end to end, and its one-line argument errors. No timing is checked."""
 
-import importlib.util
 import json
 import math
 import pathlib
@@ -16,10 +15,10 @@ from rocketkv_jax.eval.variants import rocket_config
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.config import ModelConfig
 
+import bench_scripts
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "roofline.py"
-_spec = importlib.util.spec_from_file_location("roofline", SCRIPT)
-roofline = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(roofline)
+roofline = bench_scripts.load("roofline")
 
 # d 64, F 128, V 512, Hq 4, Hkv 2, D 16, tied: per layer wq 64x64 + wk, wv 64x32 + wo 64x64 +
 # 3 x 64x128 = 36864 matrix and 128 norm parameters; the embedding 512 x 64 = 32768.
@@ -202,11 +201,7 @@ def test_op_kinds_groups_ops_by_what_they_compute():
   import jax
   import jax.numpy as jnp
 
-  sys.path.insert(0, str(SCRIPT.parent))
-  try:
-    import decode_steps
-  finally:
-    sys.path.pop(0)
+  decode_steps = bench_scripts.load("decode_steps")
   f = jax.jit(lambda x, w: (jnp.tanh(x @ w), jax.lax.top_k(x[0], 3)[1]))
   hlo = f.lower(jnp.ones((2, 8)), jnp.ones((8, 4))).compile().as_text()
   names = re.findall(r"^\s*(?:ROOT )?%?([\w.\-]+) = ", hlo, re.M)

@@ -1,8 +1,8 @@
 """Correctness and timing of the RocketKV Pallas kernels on a GPU, against the XLA path.
 
-    python benchmarks/kernels.py                       # GPU: compiled-kernel checks, then sweep
-    python benchmarks/kernels.py --lengths 32768 --budgets 256 1024 --batches 1 --iters 50
-    python benchmarks/kernels.py --smoke               # CPU: this script at tiny shapes,
+    python benchmarks/kernel_bench.py                  # GPU: compiled-kernel checks, then sweep
+    python benchmarks/kernel_bench.py --lengths 32768 --budgets 256 1024 --batches 1 --iters 50
+    python benchmarks/kernel_bench.py --smoke          # CPU: this script at tiny shapes,
                                                        # kernels interpreted (checks the script)
 
 On a GPU, at Llama-3.1-8B attention shapes (Hq 32, Hkv 8, D 128), one layer:
@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 import time
 
@@ -56,6 +55,8 @@ from rocketkv_jax.evict import window_scores_xla
 from rocketkv_jax.select import approx_bounds_scores_xla, approx_chunk_scores_xla
 from rocketkv_jax.methods.stage2 import cache_of
 from rocketkv_jax.methods.stage2.quant import slot_logits_xla as quant_slot_logits_xla
+
+import bench_common
 
 # HBM peak bandwidth (GB/s) by device-kind substring; --peak-gbps overrides.
 PEAK_GBPS = {"H200": 4800, "H100": 3350, "H800": 3350, "A100-SXM4-80GB": 2039, "A100": 1555,
@@ -311,16 +312,8 @@ def _loop(f, n: int):
 
 def _time_us(f, *args, iters: int) -> tuple[float, float]:
   """(median microseconds per call over 5 loops of `iters` calls, seconds of the first loop)."""
-  g = _loop(f, iters)
-  t = time.perf_counter()
-  jax.block_until_ready(g(*args))
-  first = time.perf_counter() - t
-  times = []
-  for _ in range(5):
-    t = time.perf_counter()
-    jax.block_until_ready(g(*args))
-    times.append((time.perf_counter() - t) / iters * 1e6)
-  return statistics.median(times), first
+  t = bench_common.time_calls(_loop(f, iters), *args, repeats=5)
+  return t.median / iters * 1e6, t.warmup_s
 
 
 class Sweep:
@@ -628,7 +621,7 @@ def main(argv=None):
     args.check_length, args.check_budget = min(args.check_length, 512), min(args.check_budget, 64)
     args.iters = min(args.iters, 2)
   elif jax.default_backend() != "gpu":
-    print(f"benchmarks/kernels.py needs a GPU (backend here: {jax.default_backend()}); "
+    print(f"benchmarks/kernel_bench.py needs a GPU (backend here: {jax.default_backend()}); "
           "running the interpret-mode correctness pass instead (or use --smoke).")
     return 0 if correctness_pass() else 1
   interpret = args.smoke
