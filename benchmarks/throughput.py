@@ -163,9 +163,9 @@ def build_prompts(model_path: str, lengths, batches, seed: int = 0) -> dict[str,
   """{"LxB": B prompts (token ids)} for every length and batch (see the module docstring)."""
   import numpy as np
 
-  from rocketkv_jax.models import api
+  from rocketkv_jax import models
 
-  config, tok = api.load_config(model_path)
+  config, tok = models.load_config(model_path)
   out = {}
   for n in lengths:
     for b in batches:
