@@ -130,7 +130,7 @@ def main(argv=None) -> None:
         f"{st.num_slots} slots of {st.slot_bytes / 2**20:.1f} MiB, max_model_len "
         f"{engine.config.max_model_len}; compiling {len(engine.buckets) + 1} programs ...",
         file=sys.stderr, flush=True)
-  print(f"rocketkv serve: compiled in {engine.warmup():.1f} s; listening on "
+  print(f"rocketkv serve: compiled in {engine.warmup():.1f} s; serving "
         f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
   engine.start()
   serve(build_app(engine, name, args.api_key), engine, host=args.host, port=args.port,

@@ -10,6 +10,7 @@ exits at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import threading
 
@@ -29,6 +30,10 @@ class _Server(uvicorn.Server):
 
   async def shutdown(self, sockets=None) -> None:
     self.config.app.state.closing = True
+    st = self._engine.stats()
+    logging.getLogger("uvicorn.error").info(
+        "Draining: %d running requests may finish within %.0f s, %d waiting ones are aborted",
+        st.num_running, self._timeout, st.num_waiting)
     self._drain = threading.Thread(target=self._engine.shutdown, args=(self._timeout,),
                                    name="rocketkv-drain", daemon=True)
     self._drain.start()
