@@ -126,6 +126,8 @@ class EngineStats:
   prompt_tokens_total: int
   generation_tokens_total: int
   requests_finished_total: int
+  prefill_seconds_total: float  # wall time in admissions (prefill + first token)
+  decode_seconds_total: float  # wall time in decode calls
 
 
 class Engine:
@@ -323,7 +325,9 @@ class Engine:
           slot_bytes=int(self.slot_bytes),
           prompt_tokens_total=int(self._counters["prompt_tokens"]),
           generation_tokens_total=int(self._counters["generation_tokens"]),
-          requests_finished_total=int(self._counters["finished"]))
+          requests_finished_total=int(self._counters["finished"]),
+          prefill_seconds_total=float(self._counters["prefill_s"]),
+          decode_seconds_total=float(self._counters["decode_s"]))
 
   # ------------------------------------------------------------------ the loop
   def has_work(self) -> bool:
@@ -365,8 +369,10 @@ class Engine:
     args = self._admit_args(tokens, n, slot, req.params, seed)
     try:
       exe = self._admit_exe(bucket, args)
+      t0 = time.perf_counter()
       first, self.state = exe(*args)
       first = int(np.asarray(first)[0])
+      self._counters["prefill_s"] += time.perf_counter() - t0
     except Exception as e:  # pylint: disable=broad-except
       with self._lock:
         self._end(req, "error", f"prefill failed: {type(e).__name__}: {e}")
@@ -385,8 +391,11 @@ class Engine:
 
   def _decode(self) -> None:
     args = self._decode_args()
-    out, self.state = self._decode_exe(args)(*args)
+    exe = self._decode_exe(args)
+    t0 = time.perf_counter()
+    out, self.state = exe(*args)
     out = np.asarray(out)  # [S, K]: the host sees each call's tokens (streaming, stops)
+    self._counters["decode_s"] += time.perf_counter() - t0
     k = out.shape[1]
     with self._lock:
       busy = [(i, r) for i, r in enumerate(self._slots) if r is not None]
