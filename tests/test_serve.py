@@ -392,6 +392,15 @@ def test_cli_user_errors_exit_2(capsys, argv, message):
   assert err.count("\n") == 1
 
 
+def test_missing_extra_names_it_in_one_line():
+  code = ("import sys; sys.modules['fastapi'] = None\n"
+          "try:\n  import rocketkv_jax.serve\nexcept ImportError as e:\n  print(e)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and out.stdout == (
+      "rocketkv_jax.serve needs the serve extra (missing fastapi): pip install "
+      "'rocketkv-jax[serve]'\n"), out.stderr
+
+
 def test_cli_serves_and_drains_on_sigterm(tiny_dir):
   """`python -m rocketkv_jax.serve` end to end: it serves, and on SIGTERM a running stream
   ends (finished or aborted: never cut off) and the process exits promptly with status 0."""

@@ -94,11 +94,13 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None = None
                      f"`{served_model_name}`)", status=404, param="model",
                      code="model_not_found")
     ids = _prompt_ids(engine, req)
-    params = req.sampling_params(req.max_tokens or _default_max_tokens(engine, len(ids)))
+    try:
+      params = req.sampling_params(req.max_tokens or _default_max_tokens(engine, len(ids)))
+    except ValueError as e:  # protocol.parse checks the same rules; this is a safety net
+      raise APIError(str(e)) from None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-
     timer = metrics.timer()
 
     def on_output(out):  # on the engine's thread; timed here, so a request whose client left
