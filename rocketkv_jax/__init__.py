@@ -6,6 +6,9 @@
     cache = rocketkv.prefill(k, v, q_window, plan, lengths=lengths)      # stage 1 (per layer)
     out, cache = rocketkv.decode_step(q, k_new, v_new, cache, plan)   # stage 2 (per token)
 
+Every state (`KVCache`, `QuantState`, `MTState`, ...) answers `length`, `seen`, `overflow` and
+`nbytes` (`State`), whatever the method and stage-2 variant.
+
 The methods (`METHODS`) live in rocketkv_jax/methods/, one file each.
 """
 
@@ -15,8 +18,8 @@ _xla_flags.set_cpu_flags()  # before anything below imports JAX
 
 # Submodules first, then the names that shadow them (`select`, `generate` are both).
 from rocketkv_jax.attend import attend  # noqa: E402
-from rocketkv_jax.cache import (KVCache, append, cache_overflow, chunk_summaries,  # noqa: E402
-                                empty_cache, extend, full_cache)
+from rocketkv_jax.cache import (KVCache, State, append, cache_overflow,  # noqa: E402
+                                chunk_summaries, empty_cache, extend, full_cache)
 from rocketkv_jax.config import (GROUP_DIMS, METHODS, RECOMMENDED, STAGE2,  # noqa: E402
                                  WINDOW_REDUCE, Plan, RocketConfig, plan)
 from rocketkv_jax.decode import decode_step, last_valid_window, prefill, select  # noqa: E402
@@ -34,7 +37,7 @@ __all__ = [
     "ContinuationScores", "Conversation", "GROUP_DIMS", "GenerationResult", "KVCache", "LowRank", "LowRankState",
     "METHODS", "MTState", "MinMax", "Plan", "Quant", "QuantState", "RECOMMENDED", "Rerank",
     "RocketConfig",
-    "STAGE2", "Stage2", "WINDOW_REDUCE", "append", "attend",
+    "STAGE2", "Stage2", "State", "WINDOW_REDUCE", "append", "attend",
     "begin_turn", "cache_overflow", "chunk_summaries",
     "decode_step", "empty_cache", "evict", "extend", "full_cache", "generate", "last_valid_window",
     "plan", "prefill",

@@ -29,6 +29,9 @@ Other dtypes, and every dtype on GPU, are stored as they are (`STORE_16BIT_AS_BI
 
 from __future__ import annotations
 
+import math
+import typing
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -138,6 +141,64 @@ class KVCache:
   @property
   def num_chunks(self) -> int:
     return self.bounds_raw.shape[3]
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of device memory the cache holds (every array in it; a Python int)."""
+    return state_nbytes(self)
+
+
+def state_nbytes(state) -> int:
+  """Bytes of every array in the pytree `state`, from shapes and dtypes (no device read, so
+  also on traced or abstract states)."""
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(state) if hasattr(x, "shape"))
+
+
+@typing.runtime_checkable
+class State(typing.Protocol):
+  """What every decode state answers, whatever the method and stage-2 variant: a `KVCache`,
+  `QuantState`, `LowRankState`, `MTState`, ... (a stacked state, `[..., B]` instead of `[B]`).
+
+  Attributes:
+    length: [B] int32 valid tokens per row in the cache that attention reads.
+    seen: [B] int32 tokens seen so far (= absolute position of the next token).
+    overflow: [B] bool, True once an append found a cache of the state full.
+    nbytes: bytes of device memory the state holds (every array in it; a Python int).
+  """
+
+  @property
+  def length(self) -> jax.Array: ...
+
+  @property
+  def seen(self) -> jax.Array: ...
+
+  @property
+  def overflow(self) -> jax.Array: ...
+
+  @property
+  def nbytes(self) -> int: ...
+
+
+class CacheState:
+  """Mixin for a state that wraps one `KVCache` in its `cache` field: answers `State`'s
+  questions from it (`nbytes` counts the whole state, summaries included)."""
+
+  @property
+  def length(self) -> jax.Array:
+    return self.cache.length
+
+  @property
+  def seen(self) -> jax.Array:
+    return self.cache.seen
+
+  @property
+  def overflow(self) -> jax.Array:
+    return self.cache.overflow
+
+  @property
+  def nbytes(self) -> int:
+    return state_nbytes(self)
 
 
 def chunk_summaries(k: jax.Array, length: jax.Array, chunk_size: int):

@@ -14,7 +14,7 @@ from flax import struct
 
 from rocketkv_jax._checks import require
 from rocketkv_jax.budget import Plan
-from rocketkv_jax.cache import KVCache, extend, grow
+from rocketkv_jax.cache import KVCache, extend, grow, state_nbytes
 from rocketkv_jax.evict import evict
 
 
@@ -26,6 +26,24 @@ class MTState:
 
   full: KVCache
   view: KVCache | None
+
+  # The `rocketkv.State` questions: `length` of the cache decoding reads (the view, else `full`),
+  # `seen` and `overflow` of both caches.
+  @property
+  def length(self) -> jax.Array:
+    return (self.full if self.view is None else self.view).length
+
+  @property
+  def seen(self) -> jax.Array:
+    return self.full.seen
+
+  @property
+  def overflow(self) -> jax.Array:
+    return self.full.overflow | (False if self.view is None else self.view.overflow)
+
+  @property
+  def nbytes(self) -> int:
+    return state_nbytes(self)
 
 
 def begin_turn(state: MTState, k_turn: jax.Array, v_turn: jax.Array, q_window: jax.Array,

@@ -17,7 +17,7 @@ from flax import struct
 
 from rocketkv_jax._checks import require
 from rocketkv_jax.attend import attend
-from rocketkv_jax.cache import KVCache, valid_slots
+from rocketkv_jax.cache import CacheState, KVCache, valid_slots
 from rocketkv_jax.methods.base import Method, checked_append, full_split
 from rocketkv_jax.select import exact_slot_scores_xla
 
@@ -25,7 +25,7 @@ DEFAULT_MASS = 0.9
 
 
 @struct.dataclass
-class TopPState:
+class TopPState(CacheState):
   """One layer's decode state: the whole cache and what the decode steps read from it.
 
   Attributes:

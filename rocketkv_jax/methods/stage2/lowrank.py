@@ -15,7 +15,7 @@ from flax import struct
 from jax import lax
 
 from rocketkv_jax._checks import require, require_int
-from rocketkv_jax.cache import KVCache, valid_slots
+from rocketkv_jax.cache import CacheState, KVCache, valid_slots
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.methods.stage2.base import Stage2
 from rocketkv_jax.ops import group_softmax_sum
@@ -23,7 +23,7 @@ from rocketkv_jax.select import check_query, top_scored_slots
 
 
 @struct.dataclass
-class LowRankState:
+class LowRankState(CacheState):
   """One layer's decode state for `stage2="lowrank"`: the cache plus its prompt-key summaries.
 
   Attributes:

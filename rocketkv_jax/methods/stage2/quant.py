@@ -18,7 +18,7 @@ from flax import struct
 from rocketkv_jax import _impl, fused_step
 from rocketkv_jax._checks import require
 from rocketkv_jax.budget import Plan
-from rocketkv_jax.cache import KVCache, valid_slots, write_rows
+from rocketkv_jax.cache import CacheState, KVCache, valid_slots, write_rows
 from rocketkv_jax.attend import attend
 from rocketkv_jax.methods.stage2.base import Stage2
 from rocketkv_jax.ops import CODE_BITS, coded_query, group_queries, group_sum, masked_softmax
@@ -30,7 +30,7 @@ BOUND_BITS = 16  # the paper's bounds are read as 16-bit values (bf16 / fp16 cac
 
 
 @struct.dataclass
-class QuantState:
+class QuantState(CacheState):
   """One layer's decode state for `stage2="quant"`: the cache plus its per-token key codes.
 
   Attributes:
