@@ -198,6 +198,20 @@ def test_raw_stream_is_sse_ending_with_done(served):
   assert text == reference(served, "Hello", 5)
 
 
+def test_guidellm_request_streams_with_continuous_usage(served):
+  # the body guidellm 0.8 sends (captured): text parts, max_completion_tokens, ignore_eos and
+  # vLLM's continuous_usage_stats, which puts the counts so far in every chunk
+  body = {"model": NAME, "stream": True, "max_completion_tokens": 6, "ignore_eos": True,
+          "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+          "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi there"}]}]}
+  r = served.post("/v1/chat/completions", body)
+  assert r.status_code == 200, r.text
+  chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e and e != "data: [DONE]"]
+  counts = [c["usage"]["completion_tokens"] for c in chunks]
+  assert counts == sorted(counts) and counts[-1] == 6 and chunks[-1]["choices"] == []
+  assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in chunks[1:])
+
+
 def test_chat_plain_and_streamed_equal_generate_with_the_template(served):
   question = "What is the capital of France?"
   want = reference(served, question, 16, chat=True)

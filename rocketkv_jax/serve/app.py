@@ -124,7 +124,8 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None = None
       raise APIError(str(e), param=prompt_param if too_long else "max_tokens") from None
     name = req.model or served_model_name
     if req.stream:
-      return StreamingResponse(_stream(rid, name, chat, req.include_usage, events),
+      return StreamingResponse(_stream(rid, name, chat, req.include_usage, events,
+                                       req.continuous_usage),
                                media_type="text/event-stream")
     return await _whole(request, rid, name, chat, events)
 
@@ -149,18 +150,23 @@ def build_app(engine: Engine, served_model_name: str, api_key: str | None = None
                                 out.finish_reason,
                                 responses.usage(out.prompt_tokens, out.completion_tokens))
 
-  async def _stream(rid, name, chat, include_usage, events):
-    """Server-sent chunks; a cancelled generator (the client left) aborts the request."""
+  async def _stream(rid, name, chat, include_usage, events, continuous=False):
+    """Server-sent chunks; a cancelled generator (the client left) aborts the request.
+    `continuous`: every chunk carries the usage so far (vLLM's continuous_usage_stats)."""
     now = int(time.time())
+    counts = [0, 0]  # prompt, completion tokens so far
 
     def mk(**kw):
-      return responses.sse(responses.chunk(rid, now, name, chat, with_usage=include_usage, **kw))
+      now_use = responses.usage(*counts) if continuous else None
+      return responses.sse(responses.chunk(rid, now, name, chat, with_usage=include_usage,
+                                           usage_now=now_use, **kw))
 
     try:
       if chat:
         yield mk(role=True)
       while True:
         out = await events.get()
+        counts[:] = [out.prompt_tokens, out.completion_tokens]
         if out.finish_reason == "error":
           yield responses.sse(APIError(f"generation failed: {out.error}", status=500,
                                        type="server_error").body())

@@ -5,7 +5,7 @@ Fields are checked by hand, one rule each, so that every error names its field:
 
 - supported: `model`, `prompt` / `messages`, `max_tokens` (chat also `max_completion_tokens`),
   `temperature`, `top_p`, `seed`, `stop`, `n` (1 only), `ignore_eos`, `min_tokens`, `stream`,
-  `stream_options` (`include_usage`), `user`;
+  `stream_options` (`include_usage`, vLLM's `continuous_usage_stats`), `user`;
 - known to OpenAI or vLLM but not implemented here (`logprobs`, `echo`, penalties, tools, ...):
   accepted only at their "off" value, else a 400 saying it is not supported;
 - anything else: a 400 naming the field (a typo must not pass silently).
@@ -51,6 +51,7 @@ class CompletionRequest:
   min_tokens: int
   stream: bool
   include_usage: bool
+  continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
 
   def sampling_params(self, max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
@@ -127,9 +128,8 @@ def _stream_options(param, x):
     return None
   if not isinstance(x, dict) or set(x) - {"include_usage", "continuous_usage_stats"}:
     raise _bad(param, f"must be an object with `include_usage` (a boolean), got {x!r}")
-  if x.get("continuous_usage_stats"):
-    raise _bad(f"{param}.continuous_usage_stats", "is not supported")
-  return _bool(f"{param}.include_usage", x.get("include_usage"))
+  return (bool(_bool(f"{param}.include_usage", x.get("include_usage"))),
+          bool(_bool(f"{param}.continuous_usage_stats", x.get("continuous_usage_stats"))))
 
 
 def _string(param, x):
@@ -257,4 +257,6 @@ def parse(body: Any, chat: bool) -> CompletionRequest:
       temperature=1.0 if v.get("temperature") is None else v["temperature"],
       top_p=1.0 if v.get("top_p") is None else v["top_p"], seed=v.get("seed"),
       stop=v.get("stop") or (), ignore_eos=bool(v.get("ignore_eos")), min_tokens=min_tokens,
-      stream=bool(v.get("stream")), include_usage=bool(v.get("stream_options")))
+      stream=bool(v.get("stream")),
+      include_usage=bool(v.get("stream_options") and v["stream_options"][0]),
+      continuous_usage=bool(v.get("stream_options") and v["stream_options"][1]))

@@ -29,10 +29,11 @@ def completion(rid: str, created: int, model: str, chat: bool, text: str,
 
 def chunk(rid: str, created: int, model: str, chat: bool, *, text: str | None = None,
           role: bool = False, finish_reason: str | None = None, use: dict | None = None,
-          with_usage: bool = False) -> dict:
+          with_usage: bool = False, usage_now: dict | None = None) -> dict:
   """One streamed chunk: a text delta (`text`), the chat's opening role delta (`role`), the
   finish reason, or (`use` without choices) the usage chunk that `include_usage` adds last.
-  `with_usage`: every chunk carries `"usage": null` until that last one (OpenAI's shape)."""
+  `with_usage`: every chunk carries `"usage": null` until that last one (OpenAI's shape);
+  `usage_now`: the counts so far in this chunk instead (vLLM's continuous_usage_stats)."""
   if use is not None:
     choices = []
   elif chat:
@@ -47,8 +48,8 @@ def chunk(rid: str, created: int, model: str, chat: bool, *, text: str | None = 
                 "finish_reason": finish_reason}]
   out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
          "created": created, "model": model, "choices": choices}
-  if with_usage or use is not None:
-    out["usage"] = use
+  if with_usage or use is not None or usage_now is not None:
+    out["usage"] = use if use is not None else usage_now
   return out
 
 
