@@ -276,6 +276,8 @@ def test_metrics_count_one_request(served):
   assert delta("rocketkv:inter_token_latency_seconds_count") == 9
   assert delta("rocketkv:e2e_request_latency_seconds_count") == 1
   assert delta("rocketkv:request_success_total{finished_reason=length}") == 1
+  # one prefill and 9 decode steps took some time; the split says where it went
+  assert delta("rocketkv:prefill_seconds_total") > 0 and delta("rocketkv:decode_seconds_total") > 0
   assert after["rocketkv:num_slots"] == served.engine.num_slots == 4
 
 

@@ -39,7 +39,11 @@ class _EngineCollector:
       yield GaugeMetricFamily(f"rocketkv:{name}", doc, value=value)
     for name, doc, value in (
         ("prompt_tokens", "Prompt tokens of admitted requests.", s.prompt_tokens_total),
-        ("generation_tokens", "Generated tokens.", s.generation_tokens_total)):
+        ("generation_tokens", "Generated tokens.", s.generation_tokens_total),
+        ("prefill_seconds", "Wall seconds the engine spent prefilling prompts.",
+         s.prefill_seconds_total),
+        ("decode_seconds", "Wall seconds the engine spent in decode steps.",
+         s.decode_seconds_total)):
       yield CounterMetricFamily(f"rocketkv:{name}", doc, value=value)
 
 
