@@ -1,4 +1,5 @@
-"""Llama / Mistral / Gemma 3 ports and checkpoint loading (imported as `rocketkv_jax.models`).
+"""Llama / Mistral / Gemma 3 / Qwen 2.5 / Qwen 3 ports and checkpoint loading (imported as
+`rocketkv_jax.models`).
 
     import rocketkv_jax as rocketkv
     model = rocketkv.models.load(rocketkv.models.smollm2_path())   # or an HF dir / .gguf

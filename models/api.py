@@ -224,7 +224,7 @@ def _gguf_config(path: str):
   except ValueError as e:
     raise CheckpointError(path, str(e)) from e
   except Exception as e:  # pylint: disable=broad-except  # missing or mistyped metadata
-    raise CheckpointError(path, f"expected llama-architecture GGUF metadata (llama.* and "
+    raise CheckpointError(path, f"expected GGUF model metadata (<architecture>.* and "
                           f"tokenizer.ggml.* fields), cannot read it: {cause(e)}") from e
 
 

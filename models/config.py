@@ -6,9 +6,12 @@ One `ModelConfig` describes every supported checkpoint family:
 * Mistral v0.1 (`architecture="mistral"`, `sliding_window=4096`) and v0.2 / v0.3
   (`sliding_window=None`),
 * Gemma 3 text (`architecture="gemma3"`): a hybrid of sliding-window and full layers
-  (`layer_types`), see docs/gemma3.md.
+  (`layer_types`), see docs/gemma3.md,
+* Qwen 2 / 2.5 (`architecture="qwen2"`: q, k, v projection biases) and Qwen 3 dense
+  (`architecture="qwen3"`: per-head RMSNorm of q and k), docs/models.md.
 
-RoPE scaling is a separate frozen `RopeScaling` (type `"default"`, `"linear"` or `"llama3"`).
+RoPE scaling is a separate frozen `RopeScaling` (type `"default"`, `"linear"`, `"llama3"` or
+`"yarn"`).
 Both Hugging Face config spellings are accepted: the classic `rope_theta` + `rope_scaling`
 and the newer `rope_parameters` dict (transformers >= 5).
 """
@@ -16,11 +19,12 @@ and the newer `rope_parameters` dict (transformers >= 5).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "gemma3", "qwen2", "qwen3")
 LAYER_TYPES = ("sliding_attention", "full_attention")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +33,17 @@ class RopeScaling:
 
   Attributes:
     rope_type: "default" (none), "linear" (positions divided by `factor`, e.g.
-      LongChat-7B-v1.5-32k) or "llama3" (Llama 3.1's band-wise wavelength scaling).
+      LongChat-7B-v1.5-32k), "llama3" (Llama 3.1's band-wise wavelength scaling) or "yarn"
+      (YaRN, Peng et al. 2023: Qwen 2.5 / Qwen 3 long context).
     factor: scale factor (1.0 for "default").
-    low_freq_factor, high_freq_factor, original_max_position_embeddings: "llama3" only.
+    low_freq_factor, high_freq_factor: "llama3" only.
+    original_max_position_embeddings: the pre-training context ("llama3", "yarn").
+    beta_fast, beta_slow: "yarn": frequencies turning more than beta_fast times over the
+      original context keep their value, fewer than beta_slow times are divided by `factor`,
+      a linear ramp between.
+    attention_factor: "yarn": cos and sin are multiplied by it (so attention logits by its
+      square); None means the paper's 0.1 * ln(factor) + 1.
+    truncate: "yarn": round the ramp's ends to whole dimensions (floor / ceil).
   """
 
   rope_type: str = "default"
@@ -39,6 +51,10 @@ class RopeScaling:
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position_embeddings: int = 8192
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  attention_factor: float | None = None
+  truncate: bool = True
 
   def __post_init__(self):
     if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -48,10 +64,19 @@ class RopeScaling:
     if self.factor <= 0:
       raise ValueError(f"rope_scaling factor must be > 0, got {self.factor}")
 
+  @property
+  def attention_scale(self) -> float:
+    """What cos and sin are multiplied by: YaRN's attention temperature, else 1."""
+    if self.rope_type != "yarn":
+      return 1.0
+    if self.attention_factor is not None:
+      return float(self.attention_factor)
+    return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Decoder-only Llama / Mistral transformer hyper-parameters (all static).
+  """Decoder-only transformer hyper-parameters (all static).
 
   Attributes:
     vocab_size: V.
@@ -68,7 +93,7 @@ class ModelConfig:
     tie_word_embeddings: the LM head reuses the embedding matrix.
     sliding_window: Mistral v0.1 attention window (a query at position i sees keys j with
       i - j < sliding_window), or None for full causal attention.
-    architecture: "llama" or "mistral".
+    architecture: one of SUPPORTED_ARCHITECTURES.
     bos_token_id, eos_token_ids: special ids (eos may be several, as in Llama 3).
     rope_freq_factors: optional per-frequency divisors `[Dh // 2]` (llama.cpp's `rope_freqs`
       tensor, how GGUF files store Llama 3.1 scaling); applied on top of `rope_scaling`.
@@ -81,6 +106,8 @@ class ModelConfig:
   Gemma 3 (`architecture="gemma3"`) also means: embeddings scaled by sqrt(D), RMSNorm of q
   and k per head, norms after attention and MLP too, tanh-GELU GeGLU. Its norm weights are
   held as the multiplier 1 + w (llama.cpp's GGUF convention; the HF loader adds the 1).
+  Qwen 3 (`"qwen3"`) is Llama's block with the per-head RMSNorm of q and k (weights held as
+  they are: x * w); Qwen 2 / 2.5 (`"qwen2"`) is Llama's block with q, k, v projection biases.
   """
 
   vocab_size: int
@@ -132,6 +159,16 @@ class ModelConfig:
     """Gemma's block: scaled embeddings, q/k norms, post-norms, GeGLU (see the docstring)."""
     return self.architecture == "gemma3"
 
+  @property
+  def qk_norm(self) -> bool:
+    """Per-head RMSNorm of q and k before RoPE (Gemma 3, Qwen 3): `q_norm`, `k_norm` weights."""
+    return self.architecture in ("gemma3", "qwen3")
+
+  @property
+  def qkv_bias(self) -> bool:
+    """q, k, v projections with biases `bq`, `bk`, `bv` (Qwen 2 / 2.5; o_proj has none)."""
+    return self.architecture == "qwen2"
+
   def layer_window(self, i: int) -> int | None:
     """Layer i's attention window: `sliding_window` on its sliding layers, else None."""
     if self.layer_types is None or self.layer_types[i] == "sliding_attention":
@@ -177,6 +214,8 @@ class ModelConfig:
       model_type = "gemma3_text"
     if model_type == "gemma3_text":
       return _gemma3_from_hf(hf)
+    if model_type in ("qwen2", "qwen3"):
+      return _qwen_from_hf(hf, model_type)
     if model_type not in SUPPORTED_ARCHITECTURES:
       raise ValueError(
           f"config.json model_type {model_type!r} is not supported; allowed: "
@@ -266,6 +305,55 @@ def _gemma3_from_hf(hf: Mapping[str, Any]) -> "ModelConfig":
   )
 
 
+def _qwen_from_hf(hf: Mapping[str, Any], model_type: str) -> "ModelConfig":
+  """A dense text `qwen2` (Qwen 2 / 2.5) or `qwen3` config (transformers' defaults where a key
+  is absent). With `use_sliding_window`, layers from `max_window_layers` on (or as
+  `layer_types` says) are sliding ones and keep a bounded window cache, as Gemma 3's."""
+  if model_type == "qwen3" and hf.get("attention_bias"):
+    raise ValueError("attention_bias = True is not supported for qwen3 (released Qwen 3 has none)")
+  if hf.get("mlp_bias"):
+    raise ValueError("mlp_bias = True is not supported (Qwen has none)")
+  act = hf.get("hidden_act", "silu")
+  if act != "silu":
+    raise ValueError(f"hidden_act {act!r} is not supported; allowed: ('silu',)")
+  n = hf["num_hidden_layers"]
+  hidden = hf["hidden_size"]
+  heads = hf["num_attention_heads"]
+  max_pos = hf.get("max_position_embeddings", 32768)
+  window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
+  types = None
+  if window is not None:
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
+        for i in range(n)]
+    types = tuple(types)
+    if "sliding_attention" not in types:
+      window, types = None, None
+    elif "full_attention" not in types:  # every layer sliding: Mistral v0.1's form
+      types = None
+  rope_theta, rope = _rope_from_hf(hf)
+  eos = hf.get("eos_token_id")
+  return ModelConfig(
+      vocab_size=hf["vocab_size"],
+      hidden_size=hidden,
+      intermediate_size=hf["intermediate_size"],
+      num_layers=n,
+      num_heads=heads,
+      num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or hidden // heads,
+      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      rope_theta=float(rope_theta),
+      rope_scaling=rope,
+      max_position_embeddings=max_pos,
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      sliding_window=window,
+      architecture=model_type,
+      bos_token_id=hf.get("bos_token_id"),
+      eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,)),
+      layer_types=types,
+  )
+
+
 def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
   """(rope_theta, RopeScaling) from either `rope_parameters` or `rope_theta` + `rope_scaling`."""
   params = hf.get("rope_parameters")
@@ -281,6 +369,8 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
         f"rope type {rope_type!r} is not supported; allowed: {SUPPORTED_ROPE_TYPES}")
   if rope_type == "default":
     return theta, RopeScaling()
+  if rope_type == "yarn":
+    return theta, _yarn_from_hf(hf, scaling)
   kwargs = dict(rope_type=rope_type, factor=float(scaling["factor"]))
   if rope_type == "llama3":
     kwargs.update(
@@ -289,3 +379,24 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, RopeScaling]:
         original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
     )
   return theta, RopeScaling(**kwargs)
+
+
+def _yarn_from_hf(hf: Mapping[str, Any], scaling: Mapping[str, Any]) -> RopeScaling:
+  """YaRN's `RopeScaling` from a config's scaling dict (the pre-training context defaults to
+  max_position_embeddings, the factor to their ratio, the betas to 32 and 1)."""
+  if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+    raise ValueError("yarn mscale / mscale_all_dim (DeepSeek's form) is not supported; "
+                     "allowed: factor, original_max_position_embeddings, beta_fast, beta_slow, "
+                     "attention_factor, truncate")
+  max_pos = hf.get("max_position_embeddings", 4096)
+  original = (hf.get("original_max_position_embeddings")
+              or scaling.get("original_max_position_embeddings") or max_pos)
+  factor = scaling.get("factor")
+  factor = max_pos / original if factor is None else factor
+  attention = scaling.get("attention_factor")
+  return RopeScaling(
+      rope_type="yarn", factor=float(factor), original_max_position_embeddings=int(original),
+      beta_fast=float(scaling.get("beta_fast") or 32.0),
+      beta_slow=float(scaling.get("beta_slow") or 1.0),
+      attention_factor=None if attention is None else float(attention),
+      truncate=bool(scaling.get("truncate", True)))

@@ -1,4 +1,5 @@
-"""Loading llama.cpp GGUF files (architecture "llama": Llama 2/3, SmolLM2, Mistral; "gemma3").
+"""Loading llama.cpp GGUF files (architecture "llama": Llama 2/3, SmolLM2, Mistral; "gemma3";
+"qwen2": Qwen 2 / 2.5; "qwen3": Qwen 3 dense).
 
 The `gguf` package memory-maps the file and dequantises one tensor at a time (any of its
 quantisation types: Q4_0/Q4_1/Q8_0/K-quants/F16/...), so reads are lazy and per tensor.
@@ -13,6 +14,12 @@ plain x * weight) -- how our params hold them too, so they load as they are (tra
 loader subtracts the 1 again); q / k rows are not permuted (NeoX RoPE). GGUF has no layer
 pattern, RoPE local base or query scale: llama.cpp's own values are used (every 6th layer full,
 local base 10000, query scale key_length ** -0.5, the 27B's hidden / heads).
+
+Qwen (`qwen2`, `qwen3`): q / k rows are not permuted (NeoX RoPE); Qwen 2's q, k, v biases are
+`attn_{q,k,v}.bias`, Qwen 3's per-head norms `attn_{q,k}_norm` (plain x * w). YaRN is
+`rope.scaling.type = "yarn"` with `rope.scaling.factor` and `original_context_length`. GGUF has
+no sliding-window field for them: they load with full attention on every layer (as llama.cpp
+runs them; released Qwen configs have `use_sliding_window = false`).
 """
 
 from __future__ import annotations
@@ -36,7 +43,10 @@ _LAYER_MAP = {
 }
 _GEMMA_LAYER_MAP = dict(_LAYER_MAP, q_norm="attn_q_norm", k_norm="attn_k_norm",
                         post_attn_norm="post_attention_norm", post_mlp_norm="post_ffw_norm")
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3")
+_QWEN3_LAYER_MAP = dict(_LAYER_MAP, q_norm="attn_q_norm", k_norm="attn_k_norm")
+_QWEN2_LAYER_MAP = dict(_LAYER_MAP, bq="attn_q", bk="attn_k", bv="attn_v")  # .bias, not .weight
+_LAYER_MAPS = {"gemma3": _GEMMA_LAYER_MAP, "qwen3": _QWEN3_LAYER_MAP, "qwen2": _QWEN2_LAYER_MAP}
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "gemma3", "qwen2", "qwen3")
 
 
 GGUF_MAGIC = b"GGUF"
@@ -168,10 +178,20 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
     scaling = RopeScaling()
   elif rope_type == "linear":
     scaling = RopeScaling(rope_type="linear", factor=float(p("rope.scaling.factor")))
+  elif rope_type == "yarn":
+    for key in ("rope.scaling.attn_factor", "rope.scaling.yarn_attn_factor",
+                "rope.scaling.yarn_log_multiplier"):
+      if p(key) not in (None, 1.0, 0.0):
+        raise ValueError(f"GGUF {arch}.{key} = {p(key)} is not supported; allowed: absent or 1")
+    scaling = RopeScaling(
+        rope_type="yarn", factor=float(p("rope.scaling.factor")),
+        original_max_position_embeddings=int(p("rope.scaling.original_context_length")),
+        beta_fast=float(p("rope.scaling.yarn_beta_fast") or 32.0),
+        beta_slow=float(p("rope.scaling.yarn_beta_slow") or 1.0))
   else:
     raise ValueError(
-        f"GGUF rope scaling type {rope_type!r} is not supported; allowed: ('none', 'linear') "
-        "and Llama 3.1's rope_freqs tensor")
+        f"GGUF rope scaling type {rope_type!r} is not supported; allowed: ('none', 'linear', "
+        "'yarn') and Llama 3.1's rope_freqs tensor")
   factors = None
   if "rope_freqs.weight" in tensors:
     factors = tuple(float(x) for x in _dequantize(tensors["rope_freqs.weight"]).reshape(-1))
@@ -208,7 +228,7 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConf
       bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
       eos_token_ids=() if eos is None else (eos,),
       rope_freq_factors=factors,
-      **(gemma or dict(architecture="llama")),
+      **(gemma or dict(architecture=arch)),
   )
 
 
@@ -278,10 +298,14 @@ def load_gguf_params(reader, config: ModelConfig, dtype=jnp.float32, shardings=N
   params["layers"] = []
   for i in range(config.num_layers):
     layer = {}
-    for key, gname in (_GEMMA_LAYER_MAP if config.gemma else _LAYER_MAP).items():
-      heads = None if config.gemma else {"wq": config.num_heads, "wk": config.num_kv_heads}.get(key)
-      transpose = not key.endswith("norm")
-      w = get(f"blk.{i}.{gname}.weight", shapes["layers"][i][key], transpose, heads)
+    for key, gname in _LAYER_MAPS.get(config.architecture, _LAYER_MAP).items():
+      # llama.cpp interleaves the q / k rows of the llama architecture only
+      permuted = config.architecture == "llama"
+      heads = {"wq": config.num_heads, "wk": config.num_kv_heads}.get(key) if permuted else None
+      bias = key in ("bq", "bk", "bv")
+      transpose = not (key.endswith("norm") or bias)
+      w = get(f"blk.{i}.{gname}.{'bias' if bias else 'weight'}", shapes["layers"][i][key],
+              transpose, heads)
       layer[key] = place(w, sh["layers"][i][key] if sh else None)
     params["layers"].append(layer)
   return params

@@ -42,6 +42,16 @@ _GEMMA_LAYER_MAP = dict(
     q_norm=("model.layers.{i}.self_attn.q_norm.weight", False),
     k_norm=("model.layers.{i}.self_attn.k_norm.weight", False),
 )
+# Qwen 3: per-head q / k norms (plain x * w); Qwen 2 / 2.5: q, k, v projection biases.
+_QWEN3_LAYER_MAP = dict(_LAYER_MAP, q_norm=_GEMMA_LAYER_MAP["q_norm"],
+                        k_norm=_GEMMA_LAYER_MAP["k_norm"])
+_QWEN2_LAYER_MAP = dict(
+    _LAYER_MAP,
+    bq=("model.layers.{i}.self_attn.q_proj.bias", False),
+    bk=("model.layers.{i}.self_attn.k_proj.bias", False),
+    bv=("model.layers.{i}.self_attn.v_proj.bias", False),
+)
+_LAYER_MAPS = {"gemma3": _GEMMA_LAYER_MAP, "qwen3": _QWEN3_LAYER_MAP, "qwen2": _QWEN2_LAYER_MAP}
 # where a multimodal Gemma 3 checkpoint keeps its text model's "model." tensors
 _TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
 _TOP_MAP = {
@@ -154,9 +164,10 @@ class _Reader:
                             f"corrupt?): {cause(e)}") from e
 
 
+
 def load_hf_params(path: str, config: ModelConfig, dtype=jnp.float32,
                    shardings=None) -> dict[str, Any]:
-  """Reads all parameters of a Llama / Mistral safetensors checkpoint.
+  """Reads all parameters of a safetensors checkpoint of any supported family.
 
   Args:
     path: the checkpoint directory.
@@ -176,7 +187,7 @@ def load_hf_params(path: str, config: ModelConfig, dtype=jnp.float32,
            for k, f in index.items()}
   reader = _Reader(index, source)
   shapes = param_shapes(config)
-  layer_map = _GEMMA_LAYER_MAP if config.gemma else _LAYER_MAP
+  layer_map = _LAYER_MAPS.get(config.architecture, _LAYER_MAP)
   if config.tie_word_embeddings:
     shapes.pop("lm_head", None)
 

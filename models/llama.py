@@ -1,4 +1,5 @@
-"""Llama / Mistral / Gemma 3 decoder as pure functions over a parameter pytree.
+"""Llama / Mistral / Gemma 3 / Qwen 2.5 / Qwen 3 decoder as pure functions over a parameter
+pytree.
 
 Design: the parameters are a plain dict pytree with one dict per decoder block:
 
@@ -6,7 +7,8 @@ Design: the parameters are a plain dict pytree with one dict per decoder block:
      "layers": [{"attn_norm": [D], "wq": [D, Hq*Dh], "wk": [D, Hkv*Dh], "wv": [D, Hkv*Dh],
                  "wo": [Hq*Dh, D], "mlp_norm": [D], "w_gate": [D, F], "w_up": [D, F],
                  "w_down": [F, D]}, ...]}                       # num_layers entries
-    Gemma 3 layers also hold "q_norm", "k_norm" [Dh], "post_attn_norm", "post_mlp_norm" [D].
+    Gemma 3 layers also hold "q_norm", "k_norm" [Dh], "post_attn_norm", "post_mlp_norm" [D];
+    Qwen 3 layers "q_norm", "k_norm"; Qwen 2 layers the biases "bq" [Hq*Dh], "bk", "bv" [Hkv*Dh].
 
 Prompt passes (`forward`, `prefill`) stack the layers inside jit and run one `lax.scan` (fast
 compiles; the one weight copy is negligible next to a long prompt). The decode step instead
@@ -73,8 +75,12 @@ def param_shapes(config: ModelConfig) -> dict[str, Any]:
       "attn_norm": (d,), "wq": (d, hq * dh), "wk": (d, hkv * dh), "wv": (d, hkv * dh),
       "wo": (hq * dh, d), "mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d),
   }
+  if config.qk_norm:
+    layer.update(q_norm=(dh,), k_norm=(dh,))
   if config.gemma:
-    layer.update(q_norm=(dh,), k_norm=(dh,), post_attn_norm=(d,), post_mlp_norm=(d,))
+    layer.update(post_attn_norm=(d,), post_mlp_norm=(d,))
+  if config.qkv_bias:
+    layer.update(bq=(hq * dh,), bk=(hkv * dh,), bv=(hkv * dh,))
   shapes = {"embed": (v, d), "final_norm": (d,),
             "layers": [dict(layer) for _ in range(config.num_layers)]}
   if not config.tie_word_embeddings:
@@ -137,10 +143,13 @@ def qkv(lp: Params, config: ModelConfig, x: jnp.ndarray, positions: jnp.ndarray,
   if q_rows is not None:
     hq = jnp.take_along_axis(h, q_rows[:, :, None], axis=1)
     q_pos = jnp.take_along_axis(positions, q_rows, axis=1)
-  q = (hq @ lp["wq"]).reshape(b, hq.shape[1], config.num_heads, dh).transpose(0, 2, 1, 3)
-  k = (h @ lp["wk"]).reshape(b, t, config.num_kv_heads, dh).transpose(0, 2, 1, 3)
-  v = (h @ lp["wv"]).reshape(b, t, config.num_kv_heads, dh).transpose(0, 2, 1, 3)
-  if config.gemma:  # per-head RMSNorm of q and k, before RoPE
+  q, k, v = hq @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+  if config.qkv_bias:
+    q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+  q = q.reshape(b, hq.shape[1], config.num_heads, dh).transpose(0, 2, 1, 3)
+  k = k.reshape(b, t, config.num_kv_heads, dh).transpose(0, 2, 1, 3)
+  v = v.reshape(b, t, config.num_kv_heads, dh).transpose(0, 2, 1, 3)
+  if config.qk_norm:  # per-head RMSNorm of q and k, before RoPE
     q = rms_norm(q, lp["q_norm"], config.rms_norm_eps)
     k = rms_norm(k, lp["k_norm"], config.rms_norm_eps)
   scale = config.query_scale * dh ** 0.5

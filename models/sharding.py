@@ -77,8 +77,12 @@ def param_shardings(config: ModelConfig, mesh: Mesh):
       "wq": ns(None, "tp"), "wk": ns(None, "tp"), "wv": ns(None, "tp"), "wo": ns("tp", None),
       "w_gate": ns(None, "tp"), "w_up": ns(None, "tp"), "w_down": ns("tp", None),
   }
+  if config.qk_norm:
+    layer.update(q_norm=ns(), k_norm=ns())
   if config.gemma:
-    layer.update(q_norm=ns(), k_norm=ns(), post_attn_norm=ns(), post_mlp_norm=ns())
+    layer.update(post_attn_norm=ns(), post_mlp_norm=ns())
+  if config.qkv_bias:  # split as their projections' output columns
+    layer.update(bq=ns("tp"), bk=ns("tp"), bv=ns("tp"))
   out = {"embed": ns(), "final_norm": ns(),
          "layers": [dict(layer) for _ in range(config.num_layers)]}
   if not config.tie_word_embeddings:

@@ -8,7 +8,9 @@ GGUF byte-level BPE ("gpt2" model): the vocabulary and merges come from
 tokens, user-defined ones (type 4) plain added tokens. The pre-tokenizer follows llama.cpp's
 `tokenizer.ggml.pre`: "smollm" splits every digit on its own before the GPT-2 regex (as the
 original SmolLM2 `tokenizer.json` does: `Digits(individual_digits=True)` + `ByteLevel`);
-Llama-3 style names use the Llama-3 split regex; anything else uses the GPT-2 regex.
+Llama-3 style names use the Llama-3 split regex; "qwen2" (Qwen 2 / 2.5 / 3) the same regex with
+digits split one by one, after NFC normalisation (as Qwen's `tokenizer.json`); anything else
+uses the GPT-2 regex.
 
 GGUF SentencePiece BPE ("llama" model without a space prefix: Gemma 3): spaces are written "▁",
 unknown bytes fall back to `<0xNN>` tokens, and, the file having no merges, each token of the
@@ -29,6 +31,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 _LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3")
 
 
@@ -180,10 +183,13 @@ def _byte_level_bpe(fields: dict[str, Any], tokens: list[str]) -> tokenizers.Tok
   if pre == "smollm":
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), byte_level])
-  elif pre in _LLAMA3_PRE:
+  elif pre in _LLAMA3_PRE or pre == "qwen2":
     backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(tokenizers.Regex(_LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.Split(tokenizers.Regex(_QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT),
+                             behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if pre == "qwen2":
+      backend.normalizer = tokenizers.normalizers.NFC()
   else:
     backend.pre_tokenizer = byte_level
   backend.decoder = decoders.ByteLevel()

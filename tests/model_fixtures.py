@@ -174,3 +174,151 @@ def run_on_host_devices(body: str, devices: int, timeout: int = 600):
   script = _HOST_DEVICES_PREAMBLE.format(devices=devices, tests=tests) + textwrap.dedent(body)
   return subprocess.run([sys.executable, "-c", script], env=child_env(devices),
                         capture_output=True, text=True, timeout=timeout)
+
+
+# Tiny Qwen checkpoints. "qwen3": explicit head_dim (32, not hidden / heads), GQA 2:1, per-head
+# q / k norms, tied embeddings; "qwen2": q / k / v biases, untied; the "_yarn" kinds add YaRN
+# (factor 4 over an original context of 32, shorter than the test prompts, to a context of 128);
+# "qwen2_sw":
+# use_sliding_window with window 8 from layer 1 on. Vocab 272 > the tokenizer's 267 ids (Qwen's
+# embeddings are padded too).
+QWEN_TINY = dict(
+    vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    rms_norm_eps=1e-6, bos_token_id=264, eos_token_id=264,
+)
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+         "rope_theta": 10000.0}
+QWEN_KINDS = {
+    "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=True,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen3_yarn": ("qwen3", dict(head_dim=32, tie_word_embeddings=True, rope_parameters=_YARN,
+                                 max_position_embeddings=128)),
+    "qwen2": ("qwen2", dict(tie_word_embeddings=False,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen2_yarn": ("qwen2", dict(tie_word_embeddings=True, rope_parameters=_YARN,
+                                 max_position_embeddings=128)),
+    "qwen2_sw": ("qwen2", dict(tie_word_embeddings=False, use_sliding_window=True,
+                               sliding_window=8, max_window_layers=1,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+}
+
+
+def qwen_tokenizer():
+  """A tiny byte-level BPE in transformers' own `Qwen2Tokenizer` (its NFC + single-digit split
+  pre-tokenizer): the 256 byte symbols, a few merges ("1 9" among them: Qwen never merges
+  digits), <|endoftext|> / <|im_start|> / <|im_end|> as ids 264..266."""
+  import transformers
+  from tokenizers import pre_tokenizers
+
+  vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+  merges = [("\u0120", "t"), ("h", "e"), ("\u0120t", "he"), ("i", "n"), ("\u0120", "a"),
+            ("e", "r"), ("o", "n"), ("1", "9")]
+  for a, b in merges:
+    vocab[a + b] = len(vocab)
+  for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+    vocab[special] = len(vocab)
+  tok = transformers.Qwen2Tokenizer(vocab=vocab, merges=merges,
+                                    eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+  tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+  return tok
+
+
+@functools.lru_cache(maxsize=None)
+def qwen_checkpoint(kind: str, seed: int = 0):
+  """(directory, torch Qwen2ForCausalLM / Qwen3ForCausalLM in eval mode) for one tiny kind of
+  QWEN_KINDS, fp32, saved with its tokenizer."""
+  import torch
+  import transformers
+
+  model_type, extra = QWEN_KINDS[kind]
+  kwargs = dict(QWEN_TINY, **extra)
+  if model_type == "qwen3":
+    cfg, cls = transformers.Qwen3Config(**kwargs), transformers.Qwen3ForCausalLM
+  else:
+    cfg, cls = transformers.Qwen2Config(**kwargs), transformers.Qwen2ForCausalLM
+  torch.manual_seed(seed)
+  model = cls(cfg).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight"):  # Qwen's x * w: w around 1
+        p.copy_(1.0 + 0.3 * torch.randn_like(p))
+      else:  # larger-than-default weights and biases: less degenerate logits
+        p.normal_(0.0, 0.08 if p.ndim == 2 else 0.3)
+  path = os.path.join(_TMP.name, kind)
+  model.save_pretrained(path, safe_serialization=True)
+  qwen_tokenizer().save_pretrained(path)
+  return path, model
+
+
+def write_qwen_gguf(kind: str, path: str) -> str:
+  """Writes the tiny `kind` checkpoint as a GGUF file the way llama.cpp's converter lays out
+  Qwen (F32 tensors, q / k rows as they are, biases as `.bias`, the tokenizer as "gpt2" BPE with
+  pre-tokenizer "qwen2", the vocabulary padded with [PADn] to the embedding rows)."""
+  import gguf
+
+  _, model = qwen_checkpoint(kind)
+  cfg = model.config
+  arch = cfg.model_type
+  w = gguf.GGUFWriter(path, arch)
+  w.add_context_length(cfg.max_position_embeddings)
+  w.add_embedding_length(cfg.hidden_size)
+  w.add_block_count(cfg.num_hidden_layers)
+  w.add_feed_forward_length(cfg.intermediate_size)
+  w.add_head_count(cfg.num_attention_heads)
+  w.add_head_count_kv(cfg.num_key_value_heads)
+  head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+  w.add_key_length(head_dim)
+  w.add_value_length(head_dim)
+  rope = cfg.rope_parameters
+  w.add_rope_freq_base(rope["rope_theta"])
+  if rope["rope_type"] == "yarn":
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+  w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+  tok = qwen_tokenizer()
+  vocab = tok.get_vocab()
+  tokens = sorted(vocab, key=vocab.get)
+  special = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}
+  types = [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+  for i in range(len(tokens), cfg.vocab_size):
+    tokens.append(f"[PAD{i}]")
+    types.append(gguf.TokenType.USER_DEFINED)
+  w.add_tokenizer_model("gpt2")
+  w.add_tokenizer_pre("qwen2")
+  w.add_token_list(tokens)
+  w.add_token_types(types)
+  w.add_token_merges(["\u0120 t", "h e", "\u0120t he", "i n", "\u0120 a", "e r", "o n", "1 9"])
+  w.add_bos_token_id(vocab["<|endoftext|>"])
+  w.add_eos_token_id(vocab["<|endoftext|>"])
+  w.add_add_bos_token(False)
+  names = {"input_layernorm.weight": "attn_norm.weight",
+           "post_attention_layernorm.weight": "ffn_norm.weight",
+           "self_attn.o_proj.weight": "attn_output.weight",
+           "self_attn.q_norm.weight": "attn_q_norm.weight",
+           "self_attn.k_norm.weight": "attn_k_norm.weight",
+           "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+           "mlp.down_proj.weight": "ffn_down.weight"}
+  for x in "qkv":
+    names[f"self_attn.{x}_proj.weight"] = f"attn_{x}.weight"
+    names[f"self_attn.{x}_proj.bias"] = f"attn_{x}.bias"
+  for name, p in model.state_dict().items():
+    arr = p.detach().numpy().astype(np.float32)
+    if name == "model.embed_tokens.weight":
+      out = "token_embd.weight"
+    elif name == "model.norm.weight":
+      out = "output_norm.weight"
+    elif name == "lm_head.weight":
+      if cfg.tie_word_embeddings:
+        continue
+      out = "output.weight"
+    else:
+      _, _, i, rest = name.split(".", 3)
+      out = f"blk.{i}.{names[rest]}"
+    w.add_tensor(out, arr)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return path

@@ -67,9 +67,9 @@ def test_unsupported_architecture_and_rope_type():
   with pytest.raises(ValueError, match="model_type 'gpt_neox' is not supported"):
     M.load(path)
   path = _copy("llama31", "bad_rope")
-  _edit_config(path, rope_scaling=None, rope_parameters=dict(rope_type="yarn", factor=4.0,
+  _edit_config(path, rope_scaling=None, rope_parameters=dict(rope_type="longrope", factor=4.0,
                                                              rope_theta=10000.0))
-  with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+  with pytest.raises(ValueError, match="rope type 'longrope' is not supported"):
     M.load(path)
 
 

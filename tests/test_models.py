@@ -112,8 +112,8 @@ def test_config_errors_name_the_problem():
               num_hidden_layers=2, num_attention_heads=4)
   with pytest.raises(ValueError, match="model_type 'gpt2'"):
     ModelConfig.from_hf(dict(base, model_type="gpt2"))
-  with pytest.raises(ValueError, match="rope type 'yarn'"):
-    ModelConfig.from_hf(dict(base, rope_scaling=dict(rope_type="yarn", factor=2.0)))
+  with pytest.raises(ValueError, match="rope type 'dynamic'"):
+    ModelConfig.from_hf(dict(base, rope_scaling=dict(rope_type="dynamic", factor=2.0)))
   with pytest.raises(ValueError, match="num_kv_heads"):
     ModelConfig.from_hf(dict(base, num_key_value_heads=3))
 
