@@ -67,3 +67,17 @@ def group_size(num_q_heads: int, num_kv_heads: int, q_name: str = "q") -> int:
           f"{q_name} heads Hq={num_q_heads} must be a positive multiple of the KV heads "
           f"Hkv={num_kv_heads}")
   return num_q_heads // num_kv_heads
+
+
+def require_layout(cond: bool, name: str, want: str, shape: Any, looks_like: str,
+                   fix: str) -> None:
+  """ValueError naming the expected layout when `cond` fails on an array whose shape reads as
+  another common layout: "k must be [B, Hkv, L, D]; got shape (1, 256, 4, 16): it looks like
+  [B, L, Hkv, D], transpose with k.transpose(0, 2, 1, 3)"."""
+  require(cond, f"{name} must be {want}; got shape {tuple(shape)}: it looks like {looks_like}, "
+          f"{fix}")
+
+
+def divides(d: int, n: int) -> bool:
+  """Whether n is a positive multiple of d (False for d or n <= 0)."""
+  return d > 0 and n > 0 and n % d == 0

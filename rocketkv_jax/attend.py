@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from rocketkv_jax import _impl
-from rocketkv_jax._checks import require, require_rank
+from rocketkv_jax._checks import require, require_layout, require_rank
 from rocketkv_jax.cache import KVCache, valid_slots
 from rocketkv_jax.ops import gather_rows, group_queries
 from rocketkv_jax.select import check_query
@@ -113,6 +113,9 @@ def attend(q: jax.Array, cache: KVCache, idx: jax.Array | None = None, *,
   if idx is None:
     return dense_attention_xla(q, cache.k, cache.v, valid_slots(cache, sliding_window))
   require_rank("idx", idx, 3, "[B, Hkv, K]")
+  bh = tuple(cache.k.shape[:2])
+  require_layout(idx.shape[:2] == bh or (idx.shape[0], idx.shape[2]) != bh, "idx", "[B, Hkv, K]",
+                 idx.shape, "[B, K, Hkv]", "transpose with idx.transpose(0, 2, 1)")
   require(idx.shape[:2] == cache.k.shape[:2],
           f"idx must have shape [B, Hkv, K] with [B, Hkv]={cache.k.shape[:2]}, got {idx.shape}")
   require(jnp.issubdtype(idx.dtype, jnp.integer), f"idx must be integer, got {idx.dtype}")

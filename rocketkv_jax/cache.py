@@ -34,11 +34,12 @@ import typing
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax import lax
 
 from rocketkv_jax import layer_scan
-from rocketkv_jax._checks import require, require_int_array, require_rank
+from rocketkv_jax._checks import require, require_int_array, require_layout, require_rank
 from rocketkv_jax.ops import bounds_of, two_sided  # in ops: the kernels read them too
 
 
@@ -260,11 +261,33 @@ def from_kept(k: jax.Array, v: jax.Array, pos: jax.Array, length: jax.Array,
 
 def full_cache(k: jax.Array, v: jax.Array, capacity: int, chunk_size: int,
                lengths: jax.Array | None = None) -> KVCache:
-  """A cache holding every prompt token of `k, v [B, Hkv, L, D]` (slot i = position i)."""
+  """A cache holding every prompt token of `k, v [B, Hkv, L, D]` (slot i = position i);
+  `lengths [B]` valid tokens per row, in [0, L] (None: all L)."""
+  require_rank("k", k, 4, "[B, Hkv, L, D]")
+  require(getattr(v, "shape", None) == k.shape,
+          f"k and v must have the same shape, got {k.shape} and {getattr(v, 'shape', None)}")
   b, h, n, _ = k.shape
+  if lengths is not None:
+    _check_cache_lengths(lengths, k.shape)
   lengths = jnp.full((b,), n, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, h, n))
   return from_kept(k, v, pos, lengths, lengths, capacity, chunk_size)
+
+
+def _check_cache_lengths(lengths, shape) -> None:
+  """`lengths` must be `[B]` integers in [0, L] (values checked when concrete); a value past L
+  that fits axis 1 names the [B, L, Hkv, D] layout."""
+  b, _, n, _ = shape
+  lengths = lengths if hasattr(lengths, "shape") else np.asarray(lengths)
+  require(lengths.shape == (b,), f"lengths must have shape [B]={(b,)}, got {lengths.shape}")
+  require_int_array("lengths", lengths)
+  if isinstance(lengths, jax.core.Tracer):
+    return
+  top = int(np.max(lengths, initial=0))
+  require_layout(top <= n or top > shape[1], "k", "[B, Hkv, L, D]", shape, "[B, L, Hkv, D]",
+                 f"lengths reach {top} > L={n}: transpose with k.transpose(0, 2, 1, 3) (and v)")
+  require(top <= n and int(np.min(lengths, initial=0)) >= 0,
+          f"lengths must be in [0, L={n}], got {np.asarray(lengths).tolist()}")
 
 
 def empty_cache(batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype,
@@ -275,8 +298,15 @@ def empty_cache(batch: int, num_kv_heads: int, capacity: int, head_dim: int, dty
 
 
 def _check_new(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> None:
+  require(isinstance(cache, KVCache), f"cache must be a KVCache, got {type(cache).__name__} "
+          f"(a method's state: rocketkv.decode_step appends to it)")
   b, h, _, d = cache.k_raw.shape
   for name, x in (("k_new", k_new), ("v_new", v_new)):
+    shape = tuple(getattr(x, "shape", ()))
+    require_layout(shape != (b, h, d), name, "[B, Hkv, 1, D]", shape, "[B, Hkv, D]",
+                   f"add the token axis with {name}[:, :, None]")
+    require_layout(h == 1 or shape != (b, 1, h, d), name, "[B, Hkv, 1, D]", shape,
+                   "[B, 1, Hkv, D]", f"transpose with {name}.transpose(0, 2, 1, 3)")
     require_rank(name, x, 4, "[B, Hkv, 1, D]")
     require(x.shape == (b, h, 1, d),
             f"{name} must have shape [B, Hkv, 1, D] = {(b, h, 1, d)}, got {x.shape}")

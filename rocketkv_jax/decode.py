@@ -19,7 +19,8 @@ import numpy as np
 from jax import lax
 
 from rocketkv_jax import _impl, layer_scan, methods
-from rocketkv_jax._checks import check_lengths, require, require_int, require_rank
+from rocketkv_jax._checks import (check_lengths, require, require_int, require_layout,
+                                require_rank)
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache
 from rocketkv_jax.evict import check_prefill_inputs
@@ -66,6 +67,11 @@ def last_valid_window(q: jax.Array, lengths: jax.Array | None, window: int) -> j
   if lengths is None:
     lengths = jnp.full((b,), l, jnp.int32)
   else:
+    if not isinstance(lengths, jax.core.Tracer):  # a length past L that fits axis 1: [B, L, Hq, D]
+      top = int(np.max(np.asarray(lengths), initial=0))
+      require_layout(top <= l or top > q.shape[1], "q", "[B, Hq, L, D]", q.shape,
+                     "[B, L, Hq, D]", f"lengths reach {top} > L={l}: transpose with "
+                     f"q.transpose(0, 2, 1, 3)")
     check_lengths(lengths, b, l)
   return jnp.take_along_axis(q, window_positions(lengths, l, window)[:, None, :, None], axis=2)
 
@@ -140,11 +146,9 @@ def prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
     stage2="lowrank"; any pytree in general).
   """
   _check_plan(plan)
-  check_prefill_inputs(k, v, q_window, plan, lengths)
   # (evict alone also takes a shorter window: a later turn's, `rocketkv.begin_turn`)
-  w, l = q_window.shape[2], k.shape[2]
-  require(w == min(plan.window_size, l), f"q_window length W={w} must equal "
-          f"min(plan.window_size, L) = {min(plan.window_size, l)} (the last W valid queries)")
+  check_prefill_inputs(k, v, q_window, plan, lengths, exact_window=True)
+  l = k.shape[2]
   # a plan for a shorter prompt would keep its prompt_budget of a longer one, unasked
   require(l <= plan.prompt_len, f"k: prompt length L={l} must be <= plan.prompt_len="
           f"{plan.prompt_len} (plan for the padded prompt length)")

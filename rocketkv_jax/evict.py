@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from rocketkv_jax import _impl
-from rocketkv_jax._checks import check_lengths, group_size, require, require_float, require_rank
+from rocketkv_jax._checks import (check_lengths, divides, group_size, require,
+                                require_float, require_layout, require_rank)
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import KVCache, from_kept
 from rocketkv_jax.ops import (WINDOW_REDUCE, gather_rows, group_queries, masked_softmax,
@@ -59,13 +60,25 @@ def pooled_candidate_scores(scores: jax.Array, lengths: jax.Array, window: int,
   return jnp.where(cand, pooled, -jnp.inf)
 
 
-def check_prefill_inputs(k, v, q_window, plan: Plan, lengths) -> None:
-  """Shapes, dtypes and plan of a prefill call (`evict`, `rocketkv.prefill`); ValueError if bad."""
+def check_prefill_inputs(k, v, q_window, plan: Plan, lengths, exact_window: bool = False) -> None:
+  """Shapes, dtypes and plan of a prefill call (`evict`, `rocketkv.prefill`); ValueError if bad.
+
+  `exact_window` (`rocketkv.prefill`): W must be min(plan.window_size, L), checked before the
+  budget so that a wrong window is named as such; otherwise any W in [1, L] (a later turn's)."""
   require(isinstance(plan, Plan), f"plan must be a Plan from rocketkv.plan(), got {type(plan)}")
   require_rank("k", k, 4, "[B, Hkv, L, D]")
   require_rank("v", v, 4, "[B, Hkv, L, D]")
   require_rank("q_window", q_window, 4, "[B, Hq, W, D]")
   require(k.shape == v.shape, f"k and v must have the same shape, got {k.shape} and {v.shape}")
+  # Layout mistakes first, named as such: heads and tokens swapped ([B, L, H, D], a common
+  # layout) otherwise surface as a heads or window mismatch.
+  hq, hkv = q_window.shape[1], k.shape[1]
+  require_layout(divides(hkv, hq) or not divides(k.shape[2], hq), "k", "[B, Hkv, L, D]",
+                 k.shape, "[B, L, Hkv, D]", "transpose with k.transpose(0, 2, 1, 3) (and v)")
+  window = min(plan.window_size, k.shape[2])
+  require_layout(divides(hkv, hq) or not divides(hkv, q_window.shape[2]) or hq != window,
+                 "q_window", "[B, Hq, W, D]", q_window.shape, "[B, W, Hq, D]",
+                 "transpose with q_window.transpose(0, 2, 1, 3)")
   require(k.dtype == v.dtype, f"k and v must have the same dtype, got {k.dtype} and {v.dtype}")
   require_float("k", k)
   require(q_window.dtype == k.dtype,
@@ -77,7 +90,12 @@ def check_prefill_inputs(k, v, q_window, plan: Plan, lengths) -> None:
   w = q_window.shape[2]
   require(1 <= w <= l, f"q_window length W={w} must be in [1, L={l}] (window longer than the "
           f"prompt)")
+  if exact_window:
+    check_window(q_window, l, window)
   require(d == plan.head_dim, f"head dim D={d} must equal plan.head_dim={plan.head_dim}")
+  require(w < l or w <= plan.window_size, f"q_window must be [B, Hq, W, D], the queries of "
+          f"the last W <= plan.window_size={plan.window_size} valid tokens; got all L={l} "
+          f"prompt queries: pass rocketkv.last_valid_window(q, lengths, plan.window_size)")
   require(w <= plan.prompt_budget or plan.prompt_budget >= l,
           f"window W={w} must be <= plan.prompt_budget={plan.prompt_budget}")
   require(plan.capacity >= min(plan.prompt_budget, l),
@@ -85,6 +103,20 @@ def check_prefill_inputs(k, v, q_window, plan: Plan, lengths) -> None:
           f"{min(plan.prompt_budget, l)}")
   if lengths is not None:
     check_lengths(lengths, b, l)
+
+
+def check_window(q_window, length: int, window: int) -> None:
+  """q_window must hold exactly `window` queries, the last valid ones of a prompt of `length`."""
+  w = q_window.shape[2]
+  hint = ""
+  if w == length:
+    hint = ("; got all L prompt queries: pass rocketkv.last_valid_window(q, lengths, "
+            "plan.window_size)")
+  elif q_window.shape[1] == window:
+    hint = (f"; got shape {tuple(q_window.shape)}: it looks like [B, W, Hq, D], transpose with "
+            f"q_window.transpose(0, 2, 1, 3)")
+  require(w == window, f"q_window length W={w} must equal min(plan.window_size, L) = {window} "
+          f"(the last W valid queries, [B, Hq, W, D]){hint}")
 
 
 def evict(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,

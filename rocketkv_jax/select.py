@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from rocketkv_jax import _impl
-from rocketkv_jax._checks import group_size, require, require_rank
+from rocketkv_jax._checks import group_size, require, require_layout, require_rank
 from rocketkv_jax.cache import KVCache, bounds_of, two_sided, valid_slots
 from rocketkv_jax.ops import (bound_rows_and_query, chunk_valid, group_queries,
                               group_softmax_sum, sink_recent_indices)
@@ -178,6 +178,14 @@ def all_slots(cache: KVCache) -> jax.Array:
 
 def check_query(q: jax.Array, cache: KVCache, name: str = "q") -> None:
   """`q` must be `[B, Hq, D]` for the cache's B, D, with Hq a multiple of its Hkv."""
+  require(isinstance(cache, KVCache), f"cache must be a KVCache, got {type(cache).__name__} "
+          f"(a method's state: read its cache with methods.get(plan.method).view(state))")
+  shape = getattr(q, "shape", ())
+  if len(shape) == 4 and 1 in shape[1:3]:  # the prompt's [B, Hq, T, D] (or [B, T, Hq, D]) at T=1
+    at = "[:, :, 0]" if shape[2] == 1 else "[:, 0]"
+    require_layout(False, name, "[B, Hq, D] (one token per row)", shape,
+                   "[B, Hq, 1, D]" if shape[2] == 1 else "[B, 1, Hq, D]",
+                   f"take the token with {name}{at}")
   require_rank(name, q, 3, "[B, Hq, D]")
   b, hkv, _, d = cache.k.shape
   require(q.shape[0] == b and q.shape[2] == d,

@@ -264,3 +264,104 @@ def test_load_names_a_bad_dtype_as_given(dtype):
   with pytest.raises(ValueError, match=r"^dtype must be jnp.float32 or jnp.bfloat16 .*got "
                      + repr(dtype).replace("(", r"\(")):
     rocketkv.models.load("/nonexistent", dtype=dtype)
+
+
+def _one_line(e) -> str:
+  msg = str(e.value)
+  assert "\n" not in msg, msg
+  return msg
+
+
+def test_reported_layout_mistakes_name_the_layout():
+  """Keys as [B, L, Hkv, D] were reported as a heads mismatch; the whole q as q_window as a
+  budget overrun (while W must equal the window size)."""
+  import numpy as np
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=64), 256, 8, 16)
+  rng = np.random.default_rng(0)
+  k = jnp.asarray(rng.standard_normal((1, 2, 256, 16)), jnp.float32)
+  q = jnp.asarray(rng.standard_normal((1, 4, 256, 16)), jnp.float32)
+  qw = rocketkv.last_valid_window(q, None, plan.window_size)
+  kt = k.transpose(0, 2, 1, 3)
+  with pytest.raises(ValueError) as e:
+    rocketkv.prefill(kt, kt, qw, plan)
+  assert _one_line(e) == ("k must be [B, Hkv, L, D]; got shape (1, 256, 2, 16): it looks like "
+                          "[B, L, Hkv, D], transpose with k.transpose(0, 2, 1, 3) (and v)")
+  with pytest.raises(ValueError) as e:
+    rocketkv.prefill(k, k, q, plan)
+  msg = _one_line(e)
+  assert "W=256 must equal min(plan.window_size, L) = 32" in msg
+  assert "rocketkv.last_valid_window(q, lengths, plan.window_size)" in msg
+  with pytest.raises(ValueError, match=r"got all L=256 prompt queries: pass rocketkv.last_valid"):
+    rocketkv.evict(k, k, q, plan)  # evict takes shorter windows, never the whole prompt's
+  rocketkv.prefill(k, k, qw, plan)  # the right layouts pass
+
+
+def _decode_setup():
+  k, v, qw = _arrays()
+  cache = rocketkv.prefill(k, v, qw, PLAN)
+  return cache, jnp.zeros((1, 4, 16)), jnp.zeros((1, 2, 1, 16))
+
+
+@pytest.mark.parametrize("call,match", [
+    # prefill / evict: heads and tokens swapped in the keys or the window queries
+    (lambda: rocketkv.prefill(*(x.transpose(0, 2, 1, 3) for x in _arrays()[:2]), _arrays()[2],
+                              PLAN), r"k must be \[B, Hkv, L, D\]; got shape \(1, 64, 2, 16\): "
+     r"it looks like \[B, L, Hkv, D\], transpose with k.transpose\(0, 2, 1, 3\)"),
+    (lambda: rocketkv.evict(*(x.transpose(0, 2, 1, 3) for x in _arrays()[:2]), _arrays()[2],
+                            PLAN), r"it looks like \[B, L, Hkv, D\]"),
+    (lambda: rocketkv.prefill(*_arrays(hkv=3)[:2], jnp.zeros((1, 8, 6, 16)), PLAN),
+     r"q_window must be \[B, Hq, W, D\]; got shape \(1, 8, 6, 16\): it looks like "
+     r"\[B, W, Hq, D\], transpose with q_window.transpose\(0, 2, 1, 3\)"),
+    (lambda: rocketkv.prefill(*_arrays()[:2], jnp.zeros((1, 8, 4, 16)), PLAN),
+     r"W=4 must equal min\(plan.window_size, L\) = 8 .*: it looks like \[B, W, Hq, D\], "
+     r"transpose with q_window.transpose\(0, 2, 1, 3\)"),
+    (lambda: rocketkv.prefill(*_arrays()[:2], jnp.zeros((1, 4, 64, 16)), PLAN),
+     r"W=64 must equal .* = 8 .*pass rocketkv.last_valid_window\(q, lengths, plan.window_size\)"),
+    # decode_step / select / attend: the query of one token, the new token's key and value
+    (lambda: rocketkv.decode_step(jnp.zeros((1, 4, 1, 16)), *_decode_setup()[2:] * 2,
+                                  _decode_setup()[0], PLAN),
+     r"q must be \[B, Hq, D\] \(one token per row\); got shape \(1, 4, 1, 16\): it looks like "
+     r"\[B, Hq, 1, D\], take the token with q\[:, :, 0\]"),
+    (lambda: rocketkv.select(jnp.zeros((1, 1, 4, 16)), _decode_setup()[0], PLAN),
+     r"it looks like \[B, 1, Hq, D\], take the token with q\[:, 0\]"),
+    (lambda: rocketkv.attend(jnp.zeros((1, 4, 1, 16)), _decode_setup()[0]),
+     r"take the token with q\[:, :, 0\]"),
+    (lambda: rocketkv.decode_step(_decode_setup()[1], jnp.zeros((1, 2, 16)), jnp.zeros((1, 2, 16)),
+                                  _decode_setup()[0], PLAN),
+     r"k_new must be \[B, Hkv, 1, D\]; got shape \(1, 2, 16\): it looks like \[B, Hkv, D\], "
+     r"add the token axis with k_new\[:, :, None\]"),
+    (lambda: rocketkv.decode_step(_decode_setup()[1], jnp.zeros((1, 1, 2, 16)),
+                                  jnp.zeros((1, 1, 2, 16)), _decode_setup()[0], PLAN),
+     r"k_new must be \[B, Hkv, 1, D\]; got shape \(1, 1, 2, 16\): it looks like "
+     r"\[B, 1, Hkv, D\], transpose with k_new.transpose\(0, 2, 1, 3\)"),
+    (lambda: rocketkv.attend(_decode_setup()[1], _decode_setup()[0],
+                             jnp.zeros((1, 5, 2), jnp.int32)),
+     r"idx must be \[B, Hkv, K\]; got shape \(1, 5, 2\): it looks like \[B, K, Hkv\], "
+     r"transpose with idx.transpose\(0, 2, 1\)"),
+    (lambda: rocketkv.attend(_decode_setup()[1], {"cache": _decode_setup()[0]}),
+     r"cache must be a KVCache, got dict \(a method's state: read its cache with "
+     r"methods.get\(plan.method\).view\(state\)\)"),
+    # append / full_cache / last_valid_window
+    (lambda: rocketkv.append(_decode_setup()[0], jnp.zeros((1, 2, 16)), jnp.zeros((1, 2, 16))),
+     r"add the token axis with k_new\[:, :, None\]"),
+    (lambda: rocketkv.append(rocketkv.prefill(*_arrays(), rocketkv.plan(
+        rocketkv.RocketConfig.recommended(32, window_size=8), 64, 4, 16)),
+        jnp.zeros((1, 2, 1, 16)), jnp.zeros((1, 2, 1, 16))),
+     r"cache must be a KVCache, got QuantState \(a method's state: rocketkv.decode_step "
+     r"appends to it\)"),
+    (lambda: rocketkv.full_cache(jnp.zeros((1, 64, 2, 16)), jnp.zeros((1, 64, 2, 16)), 80, 4,
+                                 jnp.array([40])),
+     r"k must be \[B, Hkv, L, D\]; got shape \(1, 64, 2, 16\): it looks like \[B, L, Hkv, D\], "
+     r"lengths reach 40 > L=2: transpose with k.transpose\(0, 2, 1, 3\)"),
+    (lambda: rocketkv.full_cache(jnp.zeros((1, 2, 64, 16)), jnp.zeros((1, 2, 64, 16)), 80, 4,
+                                 jnp.array([-1])), r"lengths must be in \[0, L=64\], got \[-1\]"),
+    (lambda: rocketkv.full_cache(jnp.zeros((2, 64, 16)), jnp.zeros((2, 64, 16)), 80, 4),
+     r"k must have shape \[B, Hkv, L, D\] \(rank 4\)"),
+    (lambda: rocketkv.last_valid_window(jnp.zeros((1, 64, 4, 16)), jnp.array([40]), 8),
+     r"q must be \[B, Hq, L, D\]; got shape \(1, 64, 4, 16\): it looks like \[B, L, Hq, D\], "
+     r"lengths reach 40 > L=4: transpose with q.transpose\(0, 2, 1, 3\)"),
+])
+def test_layout_mistakes_name_the_expected_layout(call, match):
+  with pytest.raises(ValueError, match=match) as e:
+    call()
+  _one_line(e)
