@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 
 class CheckpointError(ValueError):
   """A corrupt, truncated or inconsistent checkpoint file.
@@ -19,3 +21,11 @@ def cause(e: BaseException) -> str:
   """`e` as one line for a CheckpointError's message: its type and the first line of its text."""
   text = str(e).strip().splitlines()
   return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def check_finite(x: np.ndarray, name: str, path: str) -> None:
+  """CheckpointError naming the tensor `name` of the file `path` if `x` holds NaN or Inf (a
+  corrupt file whose bytes still parse would otherwise load and generate garbage)."""
+  if x.dtype.kind == "f" and not np.isfinite(x).all():
+    raise CheckpointError(path, f"expected finite weights, the tensor {name!r} holds NaN or Inf "
+                          "(corrupt?)")

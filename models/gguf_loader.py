@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rocketkv_jax.models.config import ModelConfig, RopeScaling
-from rocketkv_jax.models.errors import CheckpointError, cause
+from rocketkv_jax.models.errors import CheckpointError, cause, check_finite
 from rocketkv_jax.models.llama import param_shapes
 from rocketkv_jax.models.sharding import global_array
 
@@ -260,7 +260,8 @@ def load_gguf_params(reader, config: ModelConfig, dtype=jnp.float32, shardings=N
       so each process's host dequantises whole tensors, one at a time.
 
   Raises:
-    CheckpointError (naming the file): a missing, unreadable or misshapen tensor.
+    CheckpointError (naming the file): a missing, unreadable or misshapen tensor, or one
+      holding NaN / Inf.
   """
   tensors = {t.name: t for t in reader.tensors}
   shapes = param_shapes(config)
@@ -274,6 +275,7 @@ def load_gguf_params(reader, config: ModelConfig, dtype=jnp.float32, shardings=N
     except Exception as e:  # pylint: disable=broad-except  # truncated data, unknown quant type
       raise CheckpointError(path, f"cannot read the tensor {name!r} (truncated or corrupt?): "
                             f"{cause(e)}") from e
+    check_finite(w, name, path)
     if heads is not None:
       w = unpermute_rope_rows(w, heads)
     if transpose:

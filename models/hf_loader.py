@@ -18,7 +18,7 @@ import numpy as np
 from safetensors import safe_open
 
 from rocketkv_jax.models.config import ModelConfig
-from rocketkv_jax.models.errors import CheckpointError, cause
+from rocketkv_jax.models.errors import CheckpointError, cause, check_finite
 from rocketkv_jax.models.llama import param_shapes
 
 # our name -> (HF name template, transpose?); "{i}" is the layer index.
@@ -153,15 +153,19 @@ class _Reader:
     return tuple(self._slice(name).get_shape())
 
   def read(self, name: str, transpose: bool, index: tuple[slice, ...]) -> np.ndarray:
-    """Slice `index` of the tensor as laid out in *our* convention ([in, out] if transposed)."""
+    """Slice `index` of the tensor as laid out in *our* convention ([in, out] if transposed).
+    A slice holding NaN or Inf raises CheckpointError (each slice is read once at load)."""
     sl = self._slice(name)
     try:
       if transpose:
-        return np.asarray(sl[index[1], index[0]]).T
-      return np.asarray(sl[index] if index else sl[:])
+        out = np.asarray(sl[index[1], index[0]]).T
+      else:
+        out = np.asarray(sl[index] if index else sl[:])
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(self.file(name), f"cannot read the tensor {name!r} (truncated or "
                             f"corrupt?): {cause(e)}") from e
+    check_finite(out, name, self.file(name))
+    return out
 
 
 
@@ -178,7 +182,7 @@ def load_hf_params(path: str, config: ModelConfig, dtype=jnp.float32,
 
   Raises:
     FileNotFoundError: missing weights file. CheckpointError (naming the file): a corrupt or
-      truncated file, a missing tensor or a shape mismatch.
+      truncated file, a missing tensor, a shape mismatch or a tensor holding NaN / Inf.
   """
   index, source = _weight_index(path)
   # "model." names of the text model (a multimodal Gemma 3 keeps it under another prefix)

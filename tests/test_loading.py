@@ -185,6 +185,16 @@ def _drop_tensor(path, name):
   save_file(tensors, path, metadata={"format": "pt"})
 
 
+def _random_bytes(path, name):
+  """Overwrites the data of tensor `name` in the safetensors file `path` with random bytes
+  (seeded; among 8K float32 values some are NaN or Inf); the header stays valid."""
+  with open(path, "r+b") as f:
+    n = int.from_bytes(f.read(8), "little")
+    lo, hi = json.loads(f.read(n))[name]["data_offsets"]
+    f.seek(8 + n + lo)
+    f.write(np.random.default_rng(0).integers(0, 256, hi - lo, dtype=np.uint8).tobytes())
+
+
 def _damage(case, path):
   """Damages the copy of the tiny llama31 checkpoint at `path`; returns (the file the error must
   name, a phrase it must contain)."""
@@ -199,6 +209,9 @@ def _damage(case, path):
   if case == "missing tensor":
     _drop_tensor(st, "model.layers.1.mlp.up_proj.weight")
     return st, "expected the tensor 'model.layers.1.mlp.up_proj.weight', which is not there"
+  if case == "random bytes in a tensor":
+    _random_bytes(st, "model.layers.1.mlp.up_proj.weight")
+    return st, "the tensor 'model.layers.1.mlp.up_proj.weight' holds NaN or Inf"
   if case == "wrong shape":
     _edit_config(path, intermediate_size=96)
     return st, "expected 'model.layers.0.mlp.gate_proj.weight' of shape (96, 64)"
@@ -223,7 +236,8 @@ def _damage(case, path):
   raise AssertionError(case)
 
 
-DAMAGE = ["truncated safetensors", "corrupt safetensors header", "missing tensor", "wrong shape",
+DAMAGE = ["truncated safetensors", "corrupt safetensors header", "missing tensor",
+          "random bytes in a tensor", "wrong shape",
           "config not json", "config without a field", "config field of the wrong type",
           "index not json"]
 

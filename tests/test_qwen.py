@@ -2,7 +2,7 @@
 checkpoints (`model_fixtures.QWEN_KINDS`: q / k norms and an explicit head_dim, q / k / v
 biases, tied and untied embeddings, YaRN past its original context, a sliding-window layer),
 loaded from the HF directory and from a GGUF file written here; every KV method and the eval
-runner on a tiny Qwen 3."""
+runner on a tiny Qwen 3; corrupt (NaN / Inf) weights."""
 
 import dataclasses
 import json
@@ -209,3 +209,19 @@ def test_yarn_frequencies_match_transformers():
     ours = ModelConfig.from_hf(dict(cfg.to_dict(), rope_parameters=params))
     np.testing.assert_allclose(inverse_frequencies(ours), want_inv.numpy(), rtol=1e-6)
     assert ours.rope_scaling.attention_scale == pytest.approx(want_scale, rel=1e-9)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_gguf_with_non_finite_weights_names_the_tensor(value, tmp_path):
+  """A GGUF tensor holding NaN or Inf is a CheckpointError naming the file and the tensor."""
+  import gguf
+
+  src = write_qwen_gguf("qwen3", str(tmp_path / "ok.gguf"))
+  reader = gguf.GGUFReader(src, "r+")
+  tensor = next(t for t in reader.tensors if t.name == "blk.1.ffn_up.weight")
+  tensor.data.reshape(-1)[7] = value  # memory-mapped: written to the file
+  del reader
+  with pytest.raises(M.CheckpointError) as info:
+    M.load(src)
+  msg = str(info.value)
+  assert msg.startswith(repr(src) + ": ") and "'blk.1.ffn_up.weight' holds NaN or Inf" in msg
