@@ -26,6 +26,6 @@ def cause(e: BaseException) -> str:
 def check_finite(x: np.ndarray, name: str, path: str) -> None:
   """CheckpointError naming the tensor `name` of the file `path` if `x` holds NaN or Inf (a
   corrupt file whose bytes still parse would otherwise load and generate garbage)."""
-  if x.dtype.kind == "f" and not np.isfinite(x).all():
+  if x.dtype.kind not in "biu" and not np.isfinite(x).all():  # bfloat16 is kind "V"
     raise CheckpointError(path, f"expected finite weights, the tensor {name!r} holds NaN or Inf "
                           "(corrupt?)")

@@ -225,3 +225,26 @@ def test_gguf_with_non_finite_weights_names_the_tensor(value, tmp_path):
     M.load(src)
   msg = str(info.value)
   assert msg.startswith(repr(src) + ": ") and "'blk.1.ffn_up.weight' holds NaN or Inf" in msg
+
+
+def test_bf16_checkpoint_loads_and_its_non_finite_weights_are_caught(tmp_path):
+  """A bfloat16 safetensors checkpoint (how Qwen ships) loads to the logits of its rounded
+  weights; an Inf in one of its tensors is a CheckpointError naming the tensor."""
+  from safetensors.torch import load_file, save_file
+
+  path, ref = qwen_checkpoint("qwen2")
+  bf16 = str(tmp_path / "bf16")
+  shutil.copytree(path, bf16)
+  st = os.path.join(bf16, "model.safetensors")
+  tensors = {k: v.to(torch.bfloat16) for k, v in load_file(st).items()}
+  save_file(tensors, st, metadata={"format": "pt"})
+  tokens = random_tokens(1, 40, seed=2, vocab=VOCAB)
+  rounded = type(ref)(ref.config).eval()
+  rounded.load_state_dict({k: v.float() for k, v in tensors.items()})
+  np.testing.assert_allclose(np.asarray(M.load(bf16).logits(tokens, block_size=16)),
+                             _hf_logits(rounded, tokens), atol=1e-4, rtol=0)
+  tensors["model.layers.0.self_attn.v_proj.bias"][3] = float("inf")
+  save_file(tensors, st, metadata={"format": "pt"})
+  with pytest.raises(M.CheckpointError, match="'model.layers.0.self_attn.v_proj.bias' holds NaN "
+                     "or Inf"):
+    M.load(bf16)
