@@ -1,0 +1,253 @@
+"""Serving benchmark: each KV method behind the same `--kv-cache-mb`, driven by guidellm.
+
+    python3 -m venv .gl && .gl/bin/pip install guidellm      # its own venv: its pins differ
+    python3 benchmarks/serve_bench.py --model smollm2 --methods full,rocketkv --budget 256 \\
+        --kv-cache-mb 2048 --prompt-tokens 8192 --output-tokens 1024 --rates 0.02,0.05,0.1 \\
+        --requests 16 --guidellm .gl/bin/guidellm --out runs/serve_bench
+
+For each method it starts `python -m rocketkv_jax.serve` (same model, pool, lengths), and for
+each request rate runs guidellm (constant rate, `--requests` requests of real text: windows of
+`--text` files, by default the licence texts Debian ships in /usr/share/common-licenses) while
+it polls the server's /metrics and RSS. Per (method, rate), side by side: requests running at
+once (peak, mean), output tokens/s, requests/s, TTFT p50 / p99, inter-token latency p50 / p99,
+KV usage (peak, mean), the server's peak RSS, and the engine's prefill vs decode seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+from rocketkv_jax import models
+
+DEFAULT_TEXT = "/usr/share/common-licenses/*"
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> str:
+  with urllib.request.urlopen(url, timeout=timeout) as r:
+    return r.read().decode()
+
+
+def _metrics(base: str) -> dict[str, float]:
+  """The unlabelled samples of /metrics."""
+  out = {}
+  for line in _get(f"{base}/metrics").splitlines():
+    m = re.match(r"^(rocketkv:[a-z_]+) ([0-9.eE+-]+)$", line)
+    if m:
+      out[m.group(1)] = float(m.group(2))
+  return out
+
+
+def _rss_mb(pid: int) -> tuple[float, float]:
+  """(current, peak) resident memory of process `pid` in MiB."""
+  vals = {}
+  with open(f"/proc/{pid}/status") as f:
+    for line in f:
+      if line.startswith(("VmRSS:", "VmHWM:")):
+        vals[line.split(":")[0]] = int(line.split()[1]) / 1024
+  return vals.get("VmRSS", 0.0), vals.get("VmHWM", 0.0)
+
+
+class Poller(threading.Thread):
+  """Samples /metrics and the server's RSS every `period` seconds."""
+
+  def __init__(self, base: str, pid: int, period: float = 0.25):
+    super().__init__(daemon=True)
+    self.base, self.pid, self.period = base, pid, period
+    self.samples: list[dict] = []
+    self.stop = threading.Event()
+
+  def run(self):
+    while not self.stop.is_set():
+      try:
+        m = _metrics(self.base)
+        m["rss_mb"], m["peak_rss_mb"] = _rss_mb(self.pid)
+        m["t"] = time.monotonic()
+        self.samples.append(m)
+      except OSError:
+        pass
+      self.stop.wait(self.period)
+
+
+def _prompts(tokenizer, files: list[str], n: int, length: int, out_tokens: int,
+             path: str) -> None:
+  """`n` prompts of `length` tokens: windows of the concatenated `files`, as guidellm JSONL."""
+  text = "\n\n".join(open(f, errors="ignore").read() for f in files)
+  ids = tokenizer.encode(text, add_special_tokens=False)
+  if len(ids) < length + n:
+    raise ValueError(f"--text holds {len(ids)} tokens; --prompt-tokens {length} needs more")
+  stride = max(1, (len(ids) - length) // max(n, 1))
+  with open(path, "w") as f:
+    for i in range(n):
+      window = ids[i * stride: i * stride + length]
+      f.write(json.dumps({"prompt": tokenizer.decode(window),
+                          "output_tokens_count": out_tokens}) + "\n")
+
+
+def _tokenizer_dir(tokenizer, path: str) -> None:
+  """The model's tokenizer where guidellm's `AutoTokenizer` reads it."""
+  os.makedirs(path, exist_ok=True)
+  tokenizer.backend.save(os.path.join(path, "tokenizer.json"))
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
+               "eos_token": tokenizer.eos_token}, f)
+
+
+def _pct(stats: dict, key: str, p: str) -> float:
+  return float(stats[key]["successful"]["percentiles"][p])
+
+
+def _summary(gl: dict, window: list[dict], before: dict, after: dict) -> dict:
+  """One row: guidellm's numbers and the server's during the run."""
+  m = gl["benchmarks"][0]["metrics"]
+  running = [s["rocketkv:num_requests_running"] for s in window] or [0.0]
+  usage = [s["rocketkv:kv_cache_usage_perc"] for s in window] or [0.0]
+  delta = lambda k: after.get(k, 0.0) - before.get(k, 0.0)
+  done = m["request_totals"]["successful"] if "request_totals" in m else None
+  return dict(
+      completed=done, running_peak=max(running), running_mean=statistics.fmean(running),
+      output_tok_s=float(m["output_tokens_per_second"]["successful"]["mean"]),
+      requests_s=float(m["requests_per_second"]["successful"]["mean"]),
+      ttft_p50_ms=_pct(m, "time_to_first_token_ms", "p50"),
+      ttft_p99_ms=_pct(m, "time_to_first_token_ms", "p99"),
+      itl_p50_ms=_pct(m, "inter_token_latency_ms", "p50"),
+      itl_p99_ms=_pct(m, "inter_token_latency_ms", "p99"),
+      kv_usage_peak=max(usage), kv_usage_mean=statistics.fmean(usage),
+      peak_rss_mb=max([s["peak_rss_mb"] for s in window] or [0.0]),
+      prefill_s=delta("rocketkv:prefill_seconds_total"),
+      decode_s=delta("rocketkv:decode_seconds_total"))
+
+
+def _serve(a, method: str, port: int, log):
+  cmd = [sys.executable, "-m", "rocketkv_jax.serve", "--model", a.model, "--method", method,
+         "--budget", str(a.budget), "--kv-cache-mb", str(a.kv_cache_mb),
+         "--max-num-seqs", str(a.max_num_seqs), "--max-model-len",
+         str(a.prompt_tokens + a.output_tokens + 64), "--max-new-tokens",
+         str(a.output_tokens), "--port", str(port), "--served-model-name", "model"]
+  return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--model", default="smollm2", help="smollm2, gemma3, an HF dir or a .gguf")
+  ap.add_argument("--methods", default="full,rocketkv",
+                  help="comma-separated serve --method values (a METHODS name or recommended)")
+  ap.add_argument("--budget", type=int, default=256)
+  ap.add_argument("--kv-cache-mb", type=float, default=2048)
+  ap.add_argument("--max-num-seqs", type=int, default=64)
+  ap.add_argument("--prompt-tokens", type=int, default=8192)
+  ap.add_argument("--output-tokens", type=int, default=1024)
+  ap.add_argument("--rates", default="0.02,0.05,0.1", help="requests/s, comma-separated")
+  ap.add_argument("--requests", type=int, default=16, help="requests per rate")
+  ap.add_argument("--text", nargs="+", default=None,
+                  help=f"real text files the prompts are cut from (default {DEFAULT_TEXT})")
+  ap.add_argument("--guidellm", default="guidellm", help="the guidellm executable")
+  ap.add_argument("--startup-timeout", type=float, default=1800)
+  ap.add_argument("--out", default="runs/serve_bench")
+  a = ap.parse_args(argv)
+  try:
+    path = models.resolve(a.model)
+    rates = [float(r) for r in a.rates.split(",")]
+    if min(rates) <= 0 or min(a.requests, a.prompt_tokens, a.output_tokens) < 1:
+      raise ValueError("--rates, --requests, --prompt-tokens, --output-tokens must be > 0")
+  except (ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  files = a.text or sorted(f for f in glob.glob(DEFAULT_TEXT) if os.path.isfile(f))
+  if not files or not all(os.path.isfile(f) for f in files):
+    print(f"error: --text: not text files: {files}", file=sys.stderr)
+    return 2
+  gl_exe = a.guidellm if os.path.exists(a.guidellm) else None
+  if gl_exe is None:
+    from shutil import which
+    gl_exe = which(a.guidellm)
+  if gl_exe is None:
+    print(f"error: --guidellm: {a.guidellm!r} not found; python3 -m venv .gl && "
+          f".gl/bin/pip install guidellm", file=sys.stderr)
+    return 2
+
+  os.makedirs(a.out, exist_ok=True)
+  work = tempfile.mkdtemp(prefix="serve_bench_")
+  _, tokenizer = models.load_config(path)
+  data = os.path.join(work, "prompts.jsonl")
+  _prompts(tokenizer, files, a.requests, a.prompt_tokens, a.output_tokens, data)
+  _tokenizer_dir(tokenizer, os.path.join(work, "tokenizer"))
+  rows = []
+  for method in a.methods.split(","):
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = open(os.path.join(a.out, f"server_{method}.log"), "w")
+    server = _serve(a, method, port, log)
+    try:
+      t0 = time.monotonic()
+      while True:
+        try:
+          if _get(f"{base}/health", 2.0) == "":
+            break
+        except OSError:
+          pass
+        if server.poll() is not None or time.monotonic() - t0 > a.startup_timeout:
+          print(f"error: the {method} server did not start (see {log.name})", file=sys.stderr)
+          return 1
+        time.sleep(2)
+      startup = time.monotonic() - t0
+      slots = _metrics(base)["rocketkv:num_slots"]
+      poller = Poller(base, server.pid)
+      poller.start()
+      for rate in rates:
+        before, start = _metrics(base), time.monotonic()
+        out = os.path.join(a.out, f"guidellm_{method}_{rate}.json")
+        cmd = [gl_exe, "run", "--backend", f"kind=openai_http,target={base}",
+               "--profile", f"kind=constant,rate={rate}",
+               "--constraint", f"kind=max_requests,count={a.requests}",
+               "--data", f"kind=json_file,path={data}",
+               "--tokenizer", f"kind=huggingface_auto,model={os.path.join(work, 'tokenizer')}",
+               "--output", f"kind=json,path={out}", "--disable-console-interactive"]
+        subprocess.run(cmd, check=True, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                       stdout=subprocess.DEVNULL)
+        after = _metrics(base)
+        window = [s for s in poller.samples if s["t"] >= start]
+        with open(out) as f:
+          row = dict(method=method, rate=rate, slots=slots, startup_s=startup,
+                     **_summary(json.load(f), window, before, after))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+      poller.stop.set()
+    finally:
+      server.terminate()
+      server.wait(60)
+      log.close()
+  with open(os.path.join(a.out, "serve_bench.json"), "w") as f:
+    json.dump(dict(command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+                   text=files, rows=rows), f, indent=1)
+  cols = ["method", "rate", "slots", "running_peak", "running_mean", "output_tok_s",
+          "requests_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+          "kv_usage_peak", "kv_usage_mean", "peak_rss_mb", "prefill_s", "decode_s"]
+  with open(os.path.join(a.out, "serve_bench.md"), "w") as f:
+    f.write("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
+    for r in rows:
+      f.write("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c])
+                                for c in cols) + " |\n")
+  print(open(os.path.join(a.out, "serve_bench.md")).read())
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
