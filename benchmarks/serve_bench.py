@@ -135,6 +135,36 @@ def _summary(gl: dict, window: list[dict], before: dict, after: dict) -> dict:
       decode_s=delta("rocketkv:decode_seconds_total"))
 
 
+def _slots_only(a, path: str) -> int:
+  """Prints and writes each method's slot size and slots in the pool (no load)."""
+  import rocketkv_jax as rocketkv
+  from rocketkv_jax.runtime.engine import Engine, EngineConfig
+
+  def rocket_config(method, budget):  # as the server's --method reads it
+    if method == "recommended":
+      return rocketkv.RocketConfig.recommended(budget)
+    return rocketkv.RocketConfig(token_budget=budget, method=method)
+
+  model = models.load(path)
+  rows = []
+  for method in a.methods.split(","):
+    cfg = EngineConfig(rocket_config(method, a.budget), max_new_tokens=a.output_tokens,
+                       max_model_len=min(a.prompt_tokens + a.output_tokens + 64,
+                                         model.config.max_position_embeddings),
+                       max_num_seqs=1)
+    eng = Engine(model, cfg)
+    rows.append(dict(method=method, budget=a.budget, max_prompt_len=cfg.max_prompt_len,
+                     max_new_tokens=a.output_tokens, capacity=eng.plan.capacity,
+                     slot_mib=eng.slot_bytes / 2**20, kv_cache_mb=a.kv_cache_mb,
+                     slots=int(a.kv_cache_mb * 2**20 // eng.slot_bytes)))
+    print(json.dumps(rows[-1]), flush=True)
+  os.makedirs(a.out, exist_ok=True)
+  with open(os.path.join(a.out, "slots.json"), "w") as f:
+    json.dump(dict(command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+                   model=a.model, rows=rows), f, indent=1)
+  return 0
+
+
 def _serve(a, method: str, port: int, log):
   cmd = [sys.executable, "-m", "rocketkv_jax.serve", "--model", a.model, "--method", method,
          "--budget", str(a.budget), "--kv-cache-mb", str(a.kv_cache_mb),
@@ -160,6 +190,9 @@ def main(argv=None) -> int:
                   help=f"real text files the prompts are cut from (default {DEFAULT_TEXT})")
   ap.add_argument("--guidellm", default="guidellm", help="the guidellm executable")
   ap.add_argument("--startup-timeout", type=float, default=1800)
+  ap.add_argument("--slots-only", action="store_true",
+                  help="only each method's slots in --kv-cache-mb (requests running at once at "
+                       "saturation), from the engine's plan; no server, no load")
   ap.add_argument("--out", default="runs/serve_bench")
   a = ap.parse_args(argv)
   try:
@@ -170,6 +203,8 @@ def main(argv=None) -> int:
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  if a.slots_only:
+    return _slots_only(a, path)
   files = a.text or sorted(f for f in glob.glob(DEFAULT_TEXT) if os.path.isfile(f))
   if not files or not all(os.path.isfile(f) for f in files):
     print(f"error: --text: not text files: {files}", file=sys.stderr)
@@ -185,7 +220,12 @@ def main(argv=None) -> int:
 
   os.makedirs(a.out, exist_ok=True)
   work = tempfile.mkdtemp(prefix="serve_bench_")
-  _, tokenizer = models.load_config(path)
+  config, tokenizer = models.load_config(path)
+  fit = config.max_position_embeddings - a.output_tokens - 64
+  if a.prompt_tokens > fit:  # the model's context bounds prompt + output
+    print(f"note: --prompt-tokens {a.prompt_tokens} -> {fit} (the model's context is "
+          f"{config.max_position_embeddings})", file=sys.stderr)
+    a.prompt_tokens = fit
   data = os.path.join(work, "prompts.jsonl")
   _prompts(tokenizer, files, a.requests, a.prompt_tokens, a.output_tokens, data)
   _tokenizer_dir(tokenizer, os.path.join(work, "tokenizer"))
