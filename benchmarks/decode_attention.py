@@ -291,7 +291,7 @@ def main():
                   help="time these stage-2 variants next to minmax instead of the dense table")
   ap.add_argument("--rounds", type=int, default=6, help="--stage2: interleaved rounds")
   ap.add_argument("--steps", type=int, default=14, help="--stage2: steps per round")
-  ap.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas"],
+  ap.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas", "interpret"],
                   help="--stage2: rocketkv.decode_step's impl")
   ap.add_argument("--skip-layers", type=int, default=0,
                   help="RocketConfig.skip_layers: add the per-layer mean over --num-layers")

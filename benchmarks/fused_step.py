@@ -81,10 +81,11 @@ def run_case(variant, b, ctx, budget, hq, hkv, d, interpret, iters) -> dict:
     fused, chain, select = _fused_quant, _chain_quant, stage2_quant.select_quant
   else:
     state, fused, chain, select = cache, _fused, _chain, rocketkv.select
+  kernels_impl = "interpret" if interpret else "pallas"  # compiled on a GPU
   rec = dict(kind="case", variant=variant, batch=b, ctx=ctx, budget=budget,
              capacity=plan.capacity, chunk=plan.chunk_size, r=plan.r, top_k=plan.top_k)
   try:
-    out = fused(q, state, plan, "pallas")
+    out = fused(q, state, plan, kernels_impl)
     ref = kb._highest(functools.partial(chain, plan=plan, impl="xla"), q, state)
     rec["err"] = float(np.linalg.norm(np.asarray(out, np.float32) - np.asarray(ref))
                        / np.linalg.norm(np.asarray(ref)))
@@ -109,7 +110,7 @@ def run_case(variant, b, ctx, budget, hq, hkv, d, interpret, iters) -> dict:
         got = {c * cs + j for c in np.nonzero(taken[bi, h])[0] for j in range(taken[bi, h, c])}
         share.append(len(want & got) / max(len(want), 1))
     rec["same_slots_mean"], rec["same_slots_min"] = float(np.mean(share)), float(min(share))
-    runs = (("fused", fused, "pallas"), ("chain", chain, "pallas"), ("xla", chain, "xla"))
+    runs = (("fused", fused, kernels_impl), ("chain", chain, kernels_impl), ("xla", chain, "xla"))
     rec["launches"] = {name: launches(f, q, state, plan, im) for name, f, im in runs}
     for name, f, im in runs:
       rec[f"{name}_us"], _ = kb._time_us(functools.partial(f, plan=plan, impl=im), q, state,

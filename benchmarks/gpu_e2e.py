@@ -185,7 +185,7 @@ def main(argv=None) -> int:
   p.add_argument("--budget", type=int, default=None, help="token budget B (default 256; --tiny: 64)")
   p.add_argument("--methods", nargs="+", default=list(METHODS))
   p.add_argument("--new-tokens", type=int, default=None, help="default 64 (--tiny: 4)")
-  p.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas"])
+  p.add_argument("--impl", default="auto", choices=["auto", "xla", "pallas", "interpret"])
   p.add_argument("--deadline-s", type=float, default=1e9,
                  help="skip rows that would start this many seconds after the script started")
   p.add_argument("--grace-s", type=float, default=75.0,

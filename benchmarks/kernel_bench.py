@@ -121,6 +121,11 @@ def _highest(f, *args, **kw):
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "impl"))
+def _pallas(interpret: bool) -> str:
+  """The impl that runs the kernels: compiled on a GPU, Pallas interpret mode otherwise."""
+  return "interpret" if interpret else "pallas"
+
+
 def _select_then_attend(q, cache, plan, impl):
   idx = rocketkv.select(q, cache, plan, impl=impl)
   return idx, rocketkv.attend(q, cache, idx, impl=impl)
@@ -257,7 +262,7 @@ def check_compiled(dims, length, budget, batches, interpret, deadline, records,
       try:
         if "e2e" not in which:
           raise _Skip
-        idx_p, out_p = _select_then_attend(q2, cache, plan, "pallas")
+        idx_p, out_p = _select_then_attend(q2, cache, plan, _pallas(interpret))
         idx_x, out_x = _select_then_attend(q2, cache, plan, "xla")
         with jax.default_matmul_precision("highest"):
           idx_h, out_h = _select_then_attend(q2, cache, plan, "xla")
@@ -423,8 +428,8 @@ def bench(dims, args, interpret, peak, records):
         bctx = f"{ctx} budget {budget}"
         print(f" budget {budget}: capacity {plan.capacity}, top_k {plan.top_k}, "
               f"chunk {plan.chunk_size}, NC {nc}, r {plan.r}", flush=True)
-        for impl in ("pallas", "xla"):
-          sweep.row(bctx, f"rocketkv select+attend {impl}",
+        for impl in (_pallas(interpret), "xla"):
+          sweep.row(bctx, f"rocketkv select+attend {impl.replace('interpret', 'pallas')}",
                     functools.partial(_select_attend, plan=plan, impl=impl), (q, cache),
                     approx_bytes + sparse_bytes)
         args_a = (q, cache.bounds, cache.length)
@@ -445,8 +450,8 @@ def bench(dims, args, interpret, peak, records):
         qplan = _quant_plan(budget, length, d)
         qstate = _quant_state(cache, qplan)
         code_bytes = b * hkv * qplan.r * qstate.codes.shape[-1]
-        for impl in ("pallas", "xla"):
-          sweep.row(bctx, f"quant select+attend {impl}",
+        for impl in (_pallas(interpret), "xla"):
+          sweep.row(bctx, f"quant select+attend {impl.replace('interpret', 'pallas')}",
                     functools.partial(_select_attend, plan=qplan, impl=impl), (q, qstate),
                     code_bytes + sparse_bytes)
         sweep.row(bctx, "  quant slot logits pallas",

@@ -128,4 +128,5 @@ def attend(q: jax.Array, cache: KVCache, idx: jax.Array | None = None, *,
   idx = clipped
 
   return _impl.dispatch(impl, lambda: sparse_attention_xla(q, cache.k, cache.v, idx, sel_valid),
-                        "sparse_attention", q, cache.k, cache.v, idx, sel_valid)
+                        "sparse_attention", q, cache.k, cache.v, idx, sel_valid,
+                        tpu="tpu_sparse_attention")

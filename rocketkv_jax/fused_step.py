@@ -3,9 +3,10 @@ variants.
 
 `select_attend(q, cache, plan, chain)` serves `MinMax.attend` (the paper's stage 2) and
 `quant_attend(q, state, plan, chain)` serves `Quant.attend` (stage2="quant"); `chain(impl)` is
-the variant's own unfused select-then-attend. Under `impl="auto"` on CUDA and `impl="pallas"`
-they run the two kernels of `kernels/fused_decode.py` (chunk scores; selection + attention)
-instead of the chain; `impl="xla"` and every other platform under "auto" run the XLA chain.
+the variant's own unfused select-then-attend. Under `impl="auto"` or `"pallas"` on CUDA, and
+`impl="interpret"`, they run the two kernels of `kernels/fused_decode.py` (chunk scores;
+selection + attention) instead of the chain; on TPU the chain runs with the TPU kernels
+(`_impl`); `impl="xla"` and every other platform under "auto" run the XLA chain.
 Caches the fused kernels do not take (a sliding window, a head dim that is not a power of two
 >= 16) run the chain with the same `impl`.
 """
@@ -43,7 +44,8 @@ def select_attend(q: jax.Array, cache: KVCache, plan, chain: Callable[[str], jax
         q, cache.k, cache.v, cache.bounds, cache.length, chunk_size=cache.chunk_size, r=plan.r,
         top_k=min(plan.top_k, cache.capacity), group_dims=plan.group_dims, interpret=interpret)
 
-  return _impl.dispatch(impl, lambda: chain("xla"), pallas)
+  return _impl.dispatch(impl, lambda: chain("xla"), pallas,
+                        tpu=lambda interpret: chain("interpret_tpu" if interpret else _impl.TPU))
 
 
 def quant_attend(q: jax.Array, state, plan, chain: Callable[[str], jax.Array], *,
@@ -63,4 +65,5 @@ def quant_attend(q: jax.Array, state, plan, chain: Callable[[str], jax.Array], *
         q, cache.k, cache.v, state.codes, state.step, cache.length, r=plan.r, bits=state.bits,
         top_k=min(plan.top_k, cache.capacity), group_dims=plan.group_dims, interpret=interpret)
 
-  return _impl.dispatch(impl, lambda: chain("xla"), pallas)
+  return _impl.dispatch(impl, lambda: chain("xla"), pallas,
+                        tpu=lambda interpret: chain("interpret_tpu" if interpret else _impl.TPU))

@@ -205,7 +205,7 @@ def approx_scores(q: jax.Array, cache: KVCache, r: int, *, group_dims: str = "su
       impl, lambda: approx_bounds_scores_xla(q, cache.bounds, cache.length, cache.chunk_size, r,
                                              group_dims),
       "approx_bounds_scores", q, cache.bounds, cache.length, chunk_size=cache.chunk_size, r=r,
-      group_dims=group_dims)
+      group_dims=group_dims, tpu="tpu_approx_bounds_scores")
 
 
 def top_chunk_slots(chunk_scores: jax.Array, cache: KVCache, k: int,

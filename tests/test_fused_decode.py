@@ -105,15 +105,18 @@ def _pallas_calls(fn, *args):
 
 
 def test_select_attend_hook_chooses_the_fused_kernels():
-  """impl="pallas" traces the two fused kernels (their numbers: test_fused_equals_xla, and
+  """impl="interpret" traces the two fused kernels (their numbers: test_fused_equals_xla, and
   tests/test_kernels.py's 20 decode steps); a sliding window takes the unfused chain's two
-  kernels; impl="xla" none."""
+  kernels; impl="interpret_tpu" the two TPU kernels of the chain; impl="auto" the fused pair
+  (CUDA) and the TPU pair; impl="xla" none."""
   q, cache, plan = _cache(3, 2, 8, 2, 32, 96, 32, [96, 70], F32)
   run = functools.partial(plan.stage2.attend, plan=plan)  # MinMax.attend
-  # two kernels in each of the platform_dependent branches (compiled for CUDA, interpreted)
-  assert _pallas_calls(functools.partial(run, impl="pallas"), q, cache) == (4, True)
-  assert _pallas_calls(functools.partial(run, impl="pallas", sliding_window=50), q,
-                       cache) == (4, False)
+  assert _pallas_calls(functools.partial(run, impl="interpret"), q, cache) == (2, True)
+  assert _pallas_calls(functools.partial(run, impl="interpret", sliding_window=50), q,
+                       cache) == (2, False)
+  assert _pallas_calls(functools.partial(run, impl="interpret_tpu"), q, cache) == (2, False)
+  # two kernels in each of the platform_dependent branches with kernels (CUDA, TPU)
+  assert _pallas_calls(functools.partial(run, impl="auto"), q, cache) == (4, True)
   assert _pallas_calls(functools.partial(run, impl="xla"), q, cache) == (0, False)
 
 
@@ -160,5 +163,5 @@ def test_fused_quant_equals_xla(bits, dtype, group_dims):
   ref = jax.jit(functools.partial(stage2_quant.decode_attend, plan=plan, impl="xla"))(q, state)
   tol = dict(rtol=1e-4, atol=1e-5) if dtype == F32 else dict(rtol=2e-2, atol=2e-2)
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **tol)
-  assert _pallas_calls(functools.partial(plan.stage2.attend, plan=plan, impl="pallas"),
-                       q, state) == (4, True)
+  assert _pallas_calls(functools.partial(plan.stage2.attend, plan=plan, impl="interpret"),
+                       q, state) == (2, True)

@@ -95,7 +95,7 @@ def test_top_k_at_least_length_selects_every_valid_slot():
     assert set(range(17)) <= set(idx[0, h].tolist())
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "interpret", "interpret_tpu"])
 def test_chunks_of_one_slot_keep_one_copy_of_the_keys(impl):
   """chunk_size 1 (SparQ; RocketKV's split at large budgets): `bounds` holds the keys once,
   dim-major ([B, Hkv, D, C], not kmin and kmax rows twice), kept so by `append`; the scores read
