@@ -24,6 +24,7 @@ from rocketkv_jax.config import (GROUP_DIMS, METHODS, RECOMMENDED, STAGE2,  # no
                                  WINDOW_REDUCE, Plan, RocketConfig, plan)
 from rocketkv_jax.decode import decode_step, last_valid_window, prefill, select  # noqa: E402
 from rocketkv_jax.evict import evict  # noqa: E402
+from rocketkv_jax.export import export_decode_step, export_function  # noqa: E402
 from rocketkv_jax.multiturn import MTState, begin_turn  # noqa: E402
 from rocketkv_jax.methods.stage2 import LowRank, MinMax, Quant, Rerank, Stage2  # noqa: E402
 from rocketkv_jax.methods.stage2.lowrank import LowRankState  # noqa: E402
@@ -39,7 +40,8 @@ __all__ = [
     "RocketConfig",
     "STAGE2", "Stage2", "State", "WINDOW_REDUCE", "append", "attend",
     "begin_turn", "cache_overflow", "chunk_summaries",
-    "decode_step", "empty_cache", "evict", "extend", "full_cache", "generate", "last_valid_window",
+    "decode_step", "empty_cache", "evict", "export_decode_step", "export_function",
+    "extend", "full_cache", "generate", "last_valid_window",
     "plan", "prefill",
     "sampling", "score_continuations", "select",
 ]
