@@ -258,6 +258,19 @@ class Engine:
       raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
     return [int(t) for t in ids]
 
+  @property
+  def closed(self) -> bool:
+    """True once `shutdown` began: nothing more is admitted."""
+    return self._closed
+
+  def max_tokens_for(self, prompt_len: int) -> int:
+    """The most new tokens a request with a `prompt_len`-token prompt may ask for: its slot's
+    room after stage 1, within max_model_len."""
+    room = self.plan.capacity - self._kept(prompt_len)
+    if self.model.config.window_layers:  # sliding layers hold the window + max_new_tokens
+      room = min(room, self.plan.max_new_tokens)
+    return max(0, min(room, self.config.max_model_len - prompt_len))
+
   def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
     """ValueError if the request can never run here (too long for a slot)."""
     n, p = len(prompt_ids), self.config.max_prompt_len
@@ -269,9 +282,7 @@ class Engine:
     if n + params.max_tokens > self.config.max_model_len:
       raise ValueError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) must be <= "
                        f"max_model_len {self.config.max_model_len}")
-    room = self.plan.capacity - self._kept(n)
-    if self.model.config.window_layers:  # sliding layers hold the window + max_new_tokens
-      room = min(room, self.plan.max_new_tokens)
+    room = self.max_tokens_for(n)
     if params.max_tokens > room:
       raise ValueError(f"max_tokens must be <= {room} for a prompt of {n} tokens (the "
                        f"{self.plan.method} cache holds {self.plan.capacity} tokens), got "

@@ -208,8 +208,8 @@ def _prompt_ids(engine: Engine, req: protocol.CompletionRequest) -> list[int]:
 
 
 def _default_max_tokens(engine: Engine, prompt_len: int) -> int:
-  """Without `max_tokens`: the engine's planned new tokens, within max_model_len."""
-  return max(1, min(engine.config.max_new_tokens, engine.config.max_model_len - prompt_len))
+  """Without `max_tokens`: the engine's planned new tokens, within what the slot holds."""
+  return max(1, min(engine.config.max_new_tokens, engine.max_tokens_for(prompt_len)))
 
 
 async def _abort_on_disconnect(request: Request, engine: Engine, rid: str) -> None:
