@@ -5,8 +5,8 @@
 - each kernel lowers for CUDA (Triton custom call) at Llama-3.1-8B and SmolLM2 shapes, and the
   embedded Triton IR module verifies, with every tt.dot dim >= 16 (the chunk-score and
   quant-score kernels have none);
-- decode_step(impl="interpret") equals impl="xla" over 20 rocketkv decode steps, for the paper's
-  stage 2 and for `stage2="quant"`.
+- decode_step with the kernels (impl="interpret" here, "pallas" compiled on a GPU) equals
+  impl="xla" over 20 rocketkv decode steps, for the paper's stage 2 and for `stage2="quant"`.
 Shapes are small: the whole file runs in well under two minutes on two CPU cores.
 """
 
@@ -36,6 +36,8 @@ window_scores_xla = jax.jit(_window_xla, static_argnums=3)
 approx_chunk_scores_xla = jax.jit(_approx_xla, static_argnums=(4, 5, 6))
 
 F32, BF16 = jnp.float32, jnp.bfloat16
+# The kernels end to end: compiled on a GPU (benchmarks/gpu_session.sh), interpret mode elsewhere.
+KERNELS = "pallas" if jax.default_backend() == "gpu" else "interpret"
 
 
 def _rng(seed):
@@ -344,26 +346,25 @@ def test_decode_step_pallas_matches_xla(stage2):
   v = _normal(rng, (b, hkv, prompt, d), F32)
   qw = _normal(rng, (b, hq, plan.window_size, d), F32)
   lengths = jnp.array([prompt, 150], jnp.int32)
-  caches = {impl: _prefill(k, v, qw, lengths, plan, impl) for impl in ("xla", "interpret")}
+  caches = {impl: _prefill(k, v, qw, lengths, plan, impl) for impl in ("xla", KERNELS)}
   compiled = _step._cache_size()
   view = (lambda st: st) if stage2 == "minmax" else (lambda st: st.cache)
   # the same tokens kept
-  np.testing.assert_array_equal(view(caches["xla"]).pos, view(caches["interpret"]).pos)
+  np.testing.assert_array_equal(view(caches["xla"]).pos, view(caches[KERNELS]).pos)
   for step in range(new):
     q = _normal(rng, (b, hq, d), F32)
     k_new = _normal(rng, (b, hkv, 1, d), F32)
     v_new = _normal(rng, (b, hkv, 1, d), F32)
     outs = {}
-    for impl in ("xla", "interpret"):
+    for impl in ("xla", KERNELS):
       outs[impl], caches[impl] = _step(q, k_new, v_new, caches[impl], plan, impl)
-    np.testing.assert_allclose(np.asarray(outs["interpret"]), np.asarray(outs["xla"]),
+    np.testing.assert_allclose(np.asarray(outs[KERNELS]), np.asarray(outs["xla"]),
                                rtol=1e-4, atol=1e-5, err_msg=f"step {step}")
   assert _step._cache_size() == compiled + 2  # one compilation per impl, none per step
 
 
 def test_generate_with_pallas_kernels_matches_xla():
-  """`impl="interpret"` (the kernels in interpret mode) inside the generate loop: the same
-  tokens as XLA."""
+  """The kernels (`KERNELS`) inside the generate loop: the same tokens as XLA."""
   import rocketkv_jax.models as M
   from model_fixtures import hf_checkpoint, random_tokens
 
@@ -373,6 +374,6 @@ def test_generate_with_pallas_kernels_matches_xla():
   prompts = [toks[0].tolist(), toks[1, :27].tolist()]
   cfg = rocketkv.RocketConfig(token_budget=16, window_size=8, kernel_size=7)
   runs = [rocketkv.generate(model, prompts, rocket_config=cfg, max_new_tokens=8,
-                            eos_token_ids=(), impl=impl) for impl in ("xla", "interpret")]
+                            eos_token_ids=(), impl=impl) for impl in ("xla", KERNELS)]
   assert runs[0].stats["kv_tokens_kept"] < 40  # stage 1 really evicted
   assert runs[0].tokens == runs[1].tokens
