@@ -53,6 +53,16 @@ def output_dir(out: str | None, overwrite: bool) -> str:
   return out
 
 
+def _write_markdown(results: dict, path: str) -> str:
+  md = (f"# Real-text fidelity\n\n`{results['command']}`\n\nmodel: {results['model']['name']} "
+        f"({results['model']['dtype']}); calibration corpus: {results['calibration']}; "
+        f"wall {results['wall_s_including_load']:.0f} s including the model load\n\n"
+        + real_text.markdown(results))
+  with open(path, "w") as f:
+    f.write(md)
+  return md
+
+
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
   p = argparse.ArgumentParser(description=__doc__,
@@ -80,7 +90,20 @@ def main(argv=None):
   p.add_argument("--name", default="real_text")
   p.add_argument("--overwrite", action="store_true",
                  help="allow writing into an --out folder that already holds files")
+  p.add_argument("--render", default=None, metavar="JSON",
+                 help="only rewrite the markdown tables of a results JSON (next to it)")
   a = p.parse_args(argv)
+  if a.render is not None:
+    try:
+      with open(a.render) as f:
+        results = json.load(f)
+      path = os.path.splitext(a.render)[0] + ".md"
+      _write_markdown(results, path)
+    except (OSError, ValueError, KeyError) as e:
+      print(f"error: --render {a.render!r}: {type(e).__name__}: {e}", file=sys.stderr)
+      raise SystemExit(2) from None
+    print(f"wrote {path}")
+    return
   t0 = time.perf_counter()
   try:
     cfg = real_text.RealTextConfig(
@@ -104,11 +127,7 @@ def main(argv=None):
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, f"{a.name}.json"), "w") as f:
     json.dump(results, f, indent=1)
-  md = (f"# Real-text fidelity\n\n`{results['command']}`\n\nmodel: {results['model']['name']} "
-        f"({a.dtype}); calibration corpus: {corpora.CALIBRATION}\n\n" + real_text.markdown(results))
-  with open(os.path.join(out, f"{a.name}.md"), "w") as f:
-    f.write(md)
-  print(md)
+  print(_write_markdown(results, os.path.join(out, f"{a.name}.md")))
   print(f"wrote {out}/{a.name}.json and {a.name}.md")
 
 

@@ -452,13 +452,19 @@ def run(model, cfg: RealTextConfig, *, documents=None, tokenizer=None,
       timing=timing)
 
 
+def _label(spec: str) -> str:
+  """A method spec as a table shows it: the alias where it has one (`recommended`)."""
+  return next((alias for alias, s in variants.ALIASES.items() if s == spec), spec)
+
+
 def _ci(x, lo, hi, fmt="{:+.3f}") -> str:
   return f"{fmt.format(x)} [{fmt.format(lo)}, {fmt.format(hi)}]"
 
 
 def markdown(results: dict) -> str:
   """Tables: per corpus (calibration / held out), probe and length, each method's delta and
-  agreement with intervals; then the time per probe of each (length, method, budget)."""
+  agreement with intervals; then the time per probe of each (length, method, budget). The
+  recommended configuration shows as `recommended` (`variants.ALIASES`)."""
   out = []
   rows = results["summary"]
   keys = []
@@ -473,7 +479,7 @@ def markdown(results: dict) -> str:
     out.append("| --- | --- | --- | --- | --- |")
     sel = [r for r in rows if (r["corpus"], r["probe"], r["length"]) == (corpus, probe, length)]
     for r in sel:
-      out.append(f"| {r['method']} | {r['budget'] if r['budget'] is not None else '-'} | "
+      out.append(f"| {_label(r['method'])} | {r['budget'] if r['budget'] is not None else '-'} | "
                  f"{r['n']} | {_ci(r['delta'], r['delta_lo'], r['delta_hi'])} | "
                  f"{_ci(r['agreement'], r['agreement_lo'], r['agreement_hi'], '{:.3f}')} |")
     full = sel[0]
@@ -484,7 +490,7 @@ def markdown(results: dict) -> str:
   out.append("| N | method | B | probes | compile s | run s | s per probe |")
   out.append("| --- | --- | --- | --- | --- | --- | --- |")
   for t in results["timing"]:
-    out.append(f"| {t['length']} | {t['method']} | {t['budget'] if t['budget'] else '-'} | "
+    out.append(f"| {t['length']} | {_label(t['method'])} | {t['budget'] if t['budget'] else '-'} | "
                f"{t['rows']} | {t['compile_s']:.1f} | {t['run_s']:.1f} | "
                f"{t['run_s'] / max(1, t['rows']):.2f} |")
   return "\n".join(out) + "\n"
