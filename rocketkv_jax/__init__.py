@@ -7,7 +7,8 @@
     out, cache = rocketkv.decode_step(q, k_new, v_new, cache, plan)   # stage 2 (per token)
 
 Every state (`KVCache`, `QuantState`, `MTState`, ...) answers `length`, `seen`, `overflow` and
-`nbytes` (`State`), whatever the method and stage-2 variant.
+`nbytes` (`State`), whatever the method and stage-2 variant. `debug=True` on `prefill` /
+`decode_step`, under `checked(fn)`, turns a NaN / Inf input or a cache overflow into an error.
 
 The methods (`METHODS`) live in rocketkv_jax/methods/, one file each.
 """
@@ -22,7 +23,8 @@ from rocketkv_jax.cache import (KVCache, State, append, cache_overflow,  # noqa:
                                 chunk_summaries, empty_cache, extend, full_cache)
 from rocketkv_jax.config import (GROUP_DIMS, METHODS, RECOMMENDED, STAGE2,  # noqa: E402
                                  WINDOW_REDUCE, Plan, RocketConfig, plan)
-from rocketkv_jax.decode import decode_step, last_valid_window, prefill, select  # noqa: E402
+from rocketkv_jax.decode import (checked, decode_step, last_valid_window, prefill,  # noqa: E402
+                                 select)
 from rocketkv_jax.evict import evict  # noqa: E402
 from rocketkv_jax.export import export_decode_step, export_function  # noqa: E402
 from rocketkv_jax.multiturn import MTState, begin_turn  # noqa: E402
@@ -39,7 +41,7 @@ __all__ = [
     "METHODS", "MTState", "MinMax", "Plan", "Quant", "QuantState", "RECOMMENDED", "Rerank",
     "RocketConfig",
     "STAGE2", "Stage2", "State", "WINDOW_REDUCE", "append", "attend",
-    "begin_turn", "cache_overflow", "chunk_summaries",
+    "begin_turn", "cache_overflow", "checked", "chunk_summaries",
     "decode_step", "empty_cache", "evict", "export_decode_step", "export_function",
     "extend", "full_cache", "generate", "last_valid_window",
     "plan", "prefill",

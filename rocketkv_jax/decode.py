@@ -13,16 +13,20 @@ prefill keeps every prompt token.
 
 from __future__ import annotations
 
+import functools
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import checkify
 
 from rocketkv_jax import _impl, layer_scan, methods
 from rocketkv_jax._checks import (check_lengths, require, require_int, require_layout,
                                 require_rank)
 from rocketkv_jax.budget import Plan
-from rocketkv_jax.cache import KVCache
+from rocketkv_jax.cache import KVCache, cache_overflow
 from rocketkv_jax.evict import check_prefill_inputs
 from rocketkv_jax.select import check_query
 
@@ -125,7 +129,8 @@ def _by_layer(fn, dense, plan: Plan):
 
 
 def prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
-            lengths: jax.Array | None = None, impl: str = "auto", layer: int | None = None):
+            lengths: jax.Array | None = None, impl: str = "auto", layer: int | None = None,
+            debug: bool = False):
   """Builds the decode state of one layer from its prompt K/V.
 
   Args:
@@ -141,6 +146,8 @@ def prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
     layer: this layer's index, as for `decode_step`: a layer the method keeps dense
       (`Method.dense_layers`, e.g. RocketKV's `skip_layers`) keeps every prompt token. Pass the
       same `layer` to both (see there for None and a traced index).
+    debug: also check the values: a NaN or Inf in a valid token of k or v, or in q_window, is an
+      error (`checked`; nothing is added to the computation when False).
   Returns:
     The method's state: a `KVCache` (an `MTState` for "rocketkv_mt", a `LowRankState` for
     stage2="lowrank"; any pytree in general).
@@ -156,6 +163,12 @@ def prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
   method = methods.get(plan.method)
   if lengths is not None:  # concrete values were checked above; traced ones are clamped
     lengths = jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 1, k.shape[2])
+  if debug:  # padding past `lengths` is never read: only valid tokens must be finite
+    n = jnp.full((k.shape[0],), l, jnp.int32) if lengths is None else lengths
+    valid = (jnp.arange(l) < n[:, None])[:, None, :, None]
+    for name, x in (("k", k), ("v", v)):
+      _debug_finite(name, jnp.where(valid, x, 0))
+    _debug_finite("q_window", q_window)
   state = _by_layer(lambda dense: method.prefill(k, v, q_window, plan, lengths=lengths,
                                                  impl=impl, dense=dense),
                     _is_dense(method, plan, layer), plan)
@@ -164,7 +177,7 @@ def prefill(k: jax.Array, v: jax.Array, q_window: jax.Array, plan: Plan, *,
 
 def decode_step(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache, plan: Plan, *,
                 layer: int | None = None, sliding_window: int | None = None,
-                impl: str = "auto"):
+                impl: str = "auto", debug: bool = False):
   """One decode step of one layer.
 
   Args:
@@ -182,8 +195,12 @@ def decode_step(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache, plan: P
       index would silently make a dense layer sparse).
     sliding_window: Mistral v0.1 window, or None.
     impl: "auto" | "xla" | "pallas".
+    debug: also check the values: a NaN or Inf in q, k_new or v_new, or a cache overflow after
+      the step, is an error (`checked`; nothing is added to the computation when False).
   Returns:
-    (out [B, Hq, D] attention output in q's dtype, new state).
+    (out [B, Hq, D] attention output in q's dtype, new state). A row whose q, k_new or v_new
+    holds a NaN or Inf gets an all-NaN output row, whatever the method (a token stored in the
+    cache is read or not as the method selects: docs/reliability.md).
   """
   _check_plan(plan)
   if sliding_window is not None:
@@ -192,9 +209,69 @@ def decode_step(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache, plan: P
   _impl.check(impl)
   _check_state(cache, plan)
   method = methods.get(plan.method)
-  return _by_layer(lambda dense: method.decode_step(q, k_new, v_new, cache, plan, dense=dense,
-                                                    sliding_window=sliding_window, impl=impl),
-                   _is_dense(method, plan, layer), plan)
+  if debug:
+    for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new)):
+      _debug_finite(name, x)
+  out, state = _by_layer(lambda dense: method.decode_step(q, k_new, v_new, cache, plan,
+                                                          dense=dense,
+                                                          sliding_window=sliding_window,
+                                                          impl=impl),
+                         _is_dense(method, plan, layer), plan)
+  if debug:
+    over = cache_overflow(state)
+    _debug_check(~jnp.any(over), "cache overflow: row {row} is full (capacity reached; plan "
+                 "for more max_new_tokens)", row=jnp.argmax(over))
+  # A selecting method may skip the new token (its NaN score is never picked) and return a
+  # finite row: every method returns NaN where the step's own inputs are not finite.
+  ok = _finite_rows(q) & _finite_rows(k_new) & _finite_rows(v_new)
+  return jnp.where(ok[:, None, None], out, jnp.asarray(jnp.nan, out.dtype)), state
+
+
+def _finite_rows(x: jax.Array) -> jax.Array:
+  """[B] bool: every value of row b of `x` is finite."""
+  return jnp.all(jnp.isfinite(x).reshape(x.shape[0], -1), axis=1)
+
+
+# Set while `checked` traces its function: a staged check outside it cannot raise.
+_CHECKING = threading.local()
+
+
+def _debug_check(pred, msg: str, **fmt) -> None:
+  """`checkify.check`: raises at once on concrete values; traced, it needs `checked` around."""
+  require(not isinstance(pred, jax.core.Tracer) or getattr(_CHECKING, "on", False),
+          "debug=True under jax.jit needs the jitted function wrapped in rocketkv.checked(fn)")
+  checkify.check(pred, msg, **fmt)
+
+
+def _debug_finite(name: str, x: jax.Array) -> None:
+  ok = _finite_rows(x)
+  _debug_check(jnp.all(ok), f"{name} holds a NaN or Inf in row {{row}}", row=jnp.argmin(ok))
+
+
+def checked(fn):
+  """`fn` with the checks of `debug=True` turned into errors.
+
+  `fn` (jitted or not) calls `rocketkv.prefill` / `decode_step` with `debug=True`; the result
+  runs it under `jax.experimental.checkify` and raises `checkify.JaxRuntimeError` (a
+  ValueError) on the first failed check: a NaN or Inf in an input, or a cache overflow. It reads
+  the error flag on the host after each call (a sync): a debugging mode, not the default path.
+
+      step = rocketkv.checked(jax.jit(lambda q, k, v, s: rocketkv.decode_step(
+          q, k, v, s, plan, debug=True)))
+  """
+  checkified = checkify.checkify(fn, errors=checkify.user_checks)
+
+  @functools.wraps(fn)
+  def run(*args, **kwargs):
+    before, _CHECKING.on = getattr(_CHECKING, "on", False), True
+    try:
+      err, out = checkified(*args, **kwargs)
+    finally:
+      _CHECKING.on = before
+    err.throw()
+    return out
+
+  return run
 
 
 def select(q: jax.Array, cache, plan: Plan, *, sliding_window: int | None = None,

@@ -51,11 +51,13 @@ def pooled_candidate_scores(scores: jax.Array, lengths: jax.Array, window: int,
                             kernel_size: int) -> jax.Array:
   """Max-pools candidate scores. [B, Hkv, L] -> [B, Hkv, L], -inf where not a candidate.
 
-  Candidates of sequence b are positions < lengths[b] - window.
+  Candidates of sequence b are positions < lengths[b] - window. A NaN score (a NaN in a prompt
+  key or window query) ranks lowest: `lax.top_k` ranks NaN above +inf, which would drop the
+  window that stage 1 always keeps.
   """
   l = scores.shape[-1]
   cand = (jnp.arange(l) < (lengths - window)[:, None])[:, None, :]
-  s = jnp.where(cand, scores.astype(jnp.float32), -jnp.inf)
+  s = jnp.where(cand & ~jnp.isnan(scores), scores.astype(jnp.float32), -jnp.inf)
   pooled = lax.reduce_window(s, -jnp.inf, lax.max, (1, 1, kernel_size), (1, 1, 1), "SAME")
   return jnp.where(cand, pooled, -jnp.inf)
 
