@@ -71,6 +71,25 @@ def main(argv=None) -> int:
                                            max_num_seqs=a.slots))
              for m in a.methods}
   rows, records = [], []
+  def write():
+    """The JSON and the table of the rows so far (an interrupted run keeps them)."""
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "engine_accuracy.json"), "w") as f:
+      json.dump(dict(command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+                     model=a.model, length=a.length, samples=a.samples, budget=a.budget,
+                     engine_max_model_len=max_len, engine_new_tokens=a.engine_new_tokens,
+                     rows=rows, records=records), f, indent=1)
+    with open(os.path.join(a.out, "engine_accuracy.md"), "w") as f:
+      f.write("| task | method | generate | engine | engine - generate [95% CI] | answers "
+              "differing |\n|---|---|---|---|---|---|\n")
+      for r in rows:
+        if r["method"] == "full":
+          f.write(f"| {r['task']} | full | {r['generate']:.2f} | | | |\n")
+        else:
+          f.write(f"| {r['task']} | {r['method']} | {r['generate']:.2f} | {r['engine']:.2f} | "
+                  f"{r['diff']:+.2f} [{r['diff_lo']:+.2f}, {r['diff_hi']:+.2f}] | "
+                  f"{r['differing_answers']} / {a.samples} |\n")
+
   for task in a.tasks:
     new = tasks.MAX_NEW_TOKENS[task]
     padded = min(a.length, ctx - new)
@@ -91,6 +110,7 @@ def main(argv=None) -> int:
     full = scored(by_generate(rocketkv.RocketConfig(token_budget=a.budget, method="full")))
     rows.append(dict(task=task, method="full", generate=float(full.mean())))
     print(json.dumps(rows[-1]), flush=True)
+    write()
     for m in a.methods:
       gen_texts = by_generate(rocket_config(m, a.budget))
       eng_texts = [o.text for o in engines[m].generate(
@@ -108,22 +128,8 @@ def main(argv=None) -> int:
       records += [dict(task=task, method=m, index=s.index, generate=gt, engine=et)
                   for s, gt, et in zip(samples, gen_texts, eng_texts)]
       print(json.dumps(rows[-1]), flush=True)
-  os.makedirs(a.out, exist_ok=True)
-  with open(os.path.join(a.out, "engine_accuracy.json"), "w") as f:
-    json.dump(dict(command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-                   model=a.model, length=a.length, samples=a.samples, budget=a.budget,
-                   engine_max_model_len=max_len, engine_new_tokens=a.engine_new_tokens,
-                   rows=rows, records=records), f, indent=1)
-  with open(os.path.join(a.out, "engine_accuracy.md"), "w") as f:
-    f.write("| task | method | generate | engine | engine - generate [95% CI] | answers "
-            "differing |\n|---|---|---|---|---|---|\n")
-    for r in rows:
-      if r["method"] == "full":
-        f.write(f"| {r['task']} | full | {r['generate']:.2f} | | | |\n")
-      else:
-        f.write(f"| {r['task']} | {r['method']} | {r['generate']:.2f} | {r['engine']:.2f} | "
-                f"{r['diff']:+.2f} [{r['diff_lo']:+.2f}, {r['diff_hi']:+.2f}] | "
-                f"{r['differing_answers']} / {a.samples} |\n")
+      write()
+  write()
   print(open(os.path.join(a.out, "engine_accuracy.md")).read())
   return 0
 
