@@ -18,6 +18,8 @@ tests check them (design and estimates: docs/tpu.md):
 - `tpu_sparse_attention`: DMAs only the selected pages of K / V into VMEM
   (== attend.sparse_attention_xla).
 - `tpu_approx_bounds_scores`: stage-2 approximate chunk scores (== approx_bounds_scores_xla).
+- `tpu_quant_slot_logits`: `stage2="quant"` per-slot logits from whole blocks of the packed key
+  codes, as bf16 MXU products (== methods/stage2/quant.slot_logits_xla).
 
 Status, correctness on a GPU and timings: docs/kernels.md. Block sizes, split counts and warps
 are static keyword arguments with untuned defaults; `benchmarks/kernel_bench.py` checks and times
@@ -29,8 +31,10 @@ from .approx_scores import approx_bounds_scores, approx_chunk_scores
 from .quant_scores import quant_slot_logits
 from .sparse_attention import sparse_attention
 from .tpu_approx_scores import tpu_approx_bounds_scores
+from .tpu_quant_scores import tpu_quant_slot_logits
 from .tpu_sparse_attention import tpu_sparse_attention
 from .window_scores import window_scores
 
 __all__ = ["approx_bounds_scores", "approx_chunk_scores", "quant_slot_logits", "sparse_attention",
-           "tpu_approx_bounds_scores", "tpu_sparse_attention", "window_scores"]
+           "tpu_approx_bounds_scores", "tpu_quant_slot_logits", "tpu_sparse_attention",
+           "window_scores"]

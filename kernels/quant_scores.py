@@ -45,6 +45,26 @@ def _kernel(rows_ref, q_ref, codes_ref, o_ref, *, num_bytes: int, group: int, bi
       o_ref[g, j, :] = jnp.sum(plane * q_ref[g, :][:, None], axis=0)
 
 
+def _check(q, codes, step, r, bits, capacity) -> tuple[int, int, int, int]:
+  """One-line ValueErrors unless the arguments fit `quant_slot_logits`' contract (shared with
+  `tpu_quant_slot_logits`); returns (B, Hkv, D, Nb)."""
+  require_rank("q", q, 3, "[B, Hq, D]")
+  require_rank("codes", codes, 4, "[B, Hkv, D, Nb]")
+  b, hkv, d, nb = codes.shape
+  require(q.shape[0] == b and q.shape[2] == d,
+          f"q [B, Hq, D] and codes [B, Hkv, D, Nb] disagree: {q.shape} and {codes.shape}")
+  group_size(q.shape[1], hkv, "q")
+  require(codes.dtype == jnp.uint8, f"codes must be uint8, got {codes.dtype}")
+  require(getattr(step, "shape", None) == (b, hkv, d),
+          f"step must have shape [B, Hkv, D]={(b, hkv, d)}, got {getattr(step, 'shape', None)}")
+  require(bits in CODE_BITS, f"bits must be one of {list(CODE_BITS)}, got {bits!r}")
+  per = 8 // bits
+  require(isinstance(capacity, int) and 1 <= capacity <= nb * per,
+          f"capacity must be an int in [1, Nb * 8 / bits = {nb * per}], got {capacity!r}")
+  require(isinstance(r, int) and 1 <= r <= d, f"r must be an int in [1, D={d}], got {r!r}")
+  return b, hkv, d, nb
+
+
 @functools.partial(jax.jit, static_argnames=("r", "bits", "capacity", "group_dims", "interpret",
                                              "block_n", "num_warps", "num_stages"))
 def quant_slot_logits(q: jax.Array, codes: jax.Array, step: jax.Array, *, r: int, bits: int,
@@ -68,20 +88,8 @@ def quant_slot_logits(q: jax.Array, codes: jax.Array, step: jax.Array, *, r: int
     order
     of the fp32 sums.
   """
-  require_rank("q", q, 3, "[B, Hq, D]")
-  require_rank("codes", codes, 4, "[B, Hkv, D, Nb]")
-  b, hkv, d, nb = codes.shape
-  require(q.shape[0] == b and q.shape[2] == d,
-          f"q [B, Hq, D] and codes [B, Hkv, D, Nb] disagree: {q.shape} and {codes.shape}")
-  group_size(q.shape[1], hkv, "q")
-  require(codes.dtype == jnp.uint8, f"codes must be uint8, got {codes.dtype}")
-  require(getattr(step, "shape", None) == (b, hkv, d),
-          f"step must have shape [B, Hkv, D]={(b, hkv, d)}, got {getattr(step, 'shape', None)}")
-  require(bits in CODE_BITS, f"bits must be one of {list(CODE_BITS)}, got {bits!r}")
+  b, hkv, d, nb = _check(q, codes, step, r, bits, capacity)
   per = 8 // bits
-  require(isinstance(capacity, int) and 1 <= capacity <= nb * per,
-          f"capacity must be an int in [1, Nb * 8 / bits = {nb * per}], got {capacity!r}")
-  require(isinstance(r, int) and 1 <= r <= d, f"r must be an int in [1, D={d}], got {r!r}")
   require(block_n >= 16 and block_n == next_pow2(block_n),
           f"block_n must be a power of two >= 16, got {block_n}")
   g = q.shape[1] // hkv

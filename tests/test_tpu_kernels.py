@@ -4,8 +4,11 @@
   attention equals `sparse_attention_xla` within fp32 rounding, and the chunk scores equal
   `approx_bounds_scores_xla` to fp32 rounding with the same selected slots: GQA groups 1/3/4/8,
   head dims 64/128/256, bf16 / fp32, ragged lengths, a row with nothing valid, a capacity off the
-  page multiple, pages of one row;
-- `decode_step(impl="interpret_tpu")` equals impl="xla" over a few steps;
+  page multiple, pages of one row; the quant codes' slot logits equal `slot_logits_xla` to fp32
+  rounding with the same top-k slots: code bits 1/2/4/8, GQA groups 1/3/4/8, head dims
+  64/128/256, ragged lengths, byte blocks off the block size;
+- `decode_step(impl="interpret_tpu")` equals impl="xla" over a few steps (paper and quant
+  stage 2);
 - `rocketkv.export_decode_step(..., platforms=("tpu",))` of a whole decode step (the paper's
   RocketKV and `RocketConfig.recommended`) at Llama-3.1-8B and Gemma 3 shapes carries the
   Mosaic calls (`tpu_custom_call`), traced from `jax.ShapeDtypeStruct`s.
@@ -24,7 +27,11 @@ import pytest
 import rocketkv_jax as rocketkv
 from rocketkv_jax import kernels
 from rocketkv_jax.attend import sparse_attention_xla
-from rocketkv_jax.select import approx_bounds_scores_xla, top_slots
+from rocketkv_jax.cache import valid_slots
+from rocketkv_jax.methods.stage2.quant import build as quant_build
+from rocketkv_jax.methods.stage2.quant import slot_logits_xla
+from rocketkv_jax.ops import group_sum, masked_softmax
+from rocketkv_jax.select import approx_bounds_scores_xla, top_scored_slots, top_slots
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -104,6 +111,55 @@ def _top(scores, valid, chunk_size, k=8):
   return np.sort(np.asarray(top_slots(scores, valid, chunk_size, k)), -1)
 
 
+# (B, Hq, Hkv, C, D, bits, r, q dtype, lengths, block_n, group_dims)
+QUANT_CASES = [
+    (2, 2, 2, 300, 64, 4, 16, F32, (300, 101), 128, "sum"),      # G=1, edge block past Nb
+    (1, 6, 2, 520, 128, 2, 24, BF16, (400,), 128, "sum"),        # G=3, two blocks of 128 + 2
+    (2, 8, 2, 130, 256, 8, 32, F32, (130, 0), 2048, "normalized"),  # G=4, D=256, empty row
+    (1, 8, 1, 1000, 128, 1, 12, F32, (999,), 128, "sum"),        # G=8, 8 planes, Nb < block
+]
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _quant_state(k, length, bits, capacity):
+  plan = rocketkv.plan(rocketkv.RocketConfig(token_budget=64, window_size=1,
+                                             stage2=rocketkv.Quant(bits=bits), capacity=capacity),
+                       capacity, 0, k.shape[-1])
+  return quant_build(rocketkv.full_cache(k, k, capacity, 0, length), plan)
+
+
+@pytest.mark.parametrize("case", QUANT_CASES, ids=lambda c: f"G{c[1] // c[2]}-D{c[4]}-b{c[5]}")
+def test_quant_slot_logits_interpret_tpu(case):
+  b, hq, hkv, c, d, bits, r, dt, lengths, bn, gd = case
+  rng = np.random.default_rng(c + r + bits)
+  q = _normal(rng, (b, hq, d), dt)
+  state = _quant_state(_normal(rng, (b, hkv, c, d), F32), jnp.array(lengths, jnp.int32), bits, c)
+  out = kernels.tpu_quant_slot_logits(q, state.codes, state.step, r=r, bits=bits, capacity=c,
+                                      group_dims=gd, interpret=True, block_n=bn)
+  ref = slot_logits_xla(q, state, r, gd)
+  assert out.shape == ref.shape == (b, hkv, hq // hkv, c) and out.dtype == F32
+  # fp32 sums over the r dims (the kernel's over D with exact zeros) in another order
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5,
+                             atol=1e-6 * float(jnp.max(jnp.abs(ref))))
+  valid = valid_slots(state.cache)
+  top = lambda x: np.sort(np.asarray(top_scored_slots(
+      group_sum(masked_softmax(x, valid[:, :, None])), valid, 16, c)), -1)
+  np.testing.assert_array_equal(top(out), top(ref))
+
+
+def test_quant_slot_logits_dispatch_interpret_tpu():
+  """`quant.slot_logits(impl="interpret_tpu")` runs the TPU kernel (the XLA path would also
+  match: the kernel's name in the traced program tells them apart)."""
+  from rocketkv_jax.methods.stage2.quant import slot_logits
+  rng = np.random.default_rng(5)
+  state = _quant_state(_normal(rng, (1, 2, 64, 64), F32), jnp.array([50], jnp.int32), 4, 64)
+  q = _normal(rng, (1, 4, 64), F32)
+  run = functools.partial(slot_logits, r=8, impl="interpret_tpu")
+  assert "rocketkv_tpu_quant_slot_logits" in str(jax.make_jaxpr(run)(q, state))
+  np.testing.assert_allclose(np.asarray(run(q, state)), np.asarray(slot_logits_xla(q, state, 8)),
+                             rtol=1e-5, atol=1e-5)
+
+
 def _decode_inputs(stage2, dt=F32):
   rng = np.random.default_rng(3)
   b, hq, hkv, d, prompt = 2, 8, 2, 64, 96
@@ -115,10 +171,12 @@ def _decode_inputs(stage2, dt=F32):
   return rng, plan, state, (b, hq, hkv, d)
 
 
-def test_decode_step_interpret_tpu_matches_xla():
-  """The paper's stage 2 on the TPU kernels (chunk scores, then the page-DMA attention): the
-  same outputs as XLA over two steps, and `rocketkv.select` the same slots."""
-  rng, plan, state, (b, hq, hkv, d) = _decode_inputs("minmax")
+@pytest.mark.parametrize("stage2", ["minmax", "quant"])
+def test_decode_step_interpret_tpu_matches_xla(stage2):
+  """The paper's stage 2 (chunk scores) or the quant codes (slot logits) on the TPU kernels, then
+  the page-DMA attention: the same outputs as XLA over two steps, and `rocketkv.select` the same
+  slots."""
+  rng, plan, state, (b, hq, hkv, d) = _decode_inputs(stage2)
   states = {"xla": state, "interpret_tpu": state}
   for _ in range(2):
     q = _normal(rng, (b, hq, d), F32)
@@ -146,8 +204,8 @@ MODELS = {
 @pytest.mark.parametrize("config", ["paper", "recommended"])
 def test_decode_step_exports_for_tpu_with_the_mosaic_kernels(model, config):
   """A whole jitted decode step at a model's shapes (bf16, 32K context, budget 2048, batch 8),
-  exported for TPU from this host: the paper's stage 2 carries both TPU kernels (chunk scores,
-  attention); the recommended quant stage 2 carries the attention (its code logits are XLA)."""
+  exported for TPU from this host: each carries two TPU kernels, the paper's stage 2 its chunk
+  scores and the recommended quant stage 2 its code logits, then the attention."""
   hq, hkv, d, window = MODELS[model]
   b, ctx, S = 8, 32768, jax.ShapeDtypeStruct
   cfg = (rocketkv.RocketConfig(token_budget=2048) if config == "paper"
@@ -161,10 +219,11 @@ def test_decode_step_exports_for_tpu_with_the_mosaic_kernels(model, config):
                                     sliding_window=window)
   text = exp.mlir_module()
   assert exp.platforms == ("tpu",)
-  assert text.count("tpu_custom_call") == (2 if config == "paper" else 1)
+  assert text.count("tpu_custom_call") == 2
   assert "__gpu$xla.gpu.triton" not in text
   assert "rocketkv_tpu_sparse_attention" in text
   assert ("rocketkv_tpu_approx_chunk_logits" in text) == (config == "paper")
+  assert ("rocketkv_tpu_quant_slot_logits" in text) == (config == "recommended")
 
 
 def test_bad_arguments_raise():
@@ -175,3 +234,9 @@ def test_bad_arguments_raise():
   with pytest.raises(ValueError, match="block_c"):
     kernels.tpu_approx_bounds_scores(jnp.zeros((1, 2, 64)), jnp.zeros((1, 2, 128, 8)),
                                      jnp.array([8]), chunk_size=1, r=4, block_c=100)
+  codes, step = jnp.zeros((1, 2, 64, 8), jnp.uint8), jnp.ones((1, 2, 64))
+  with pytest.raises(ValueError, match="block_n"):
+    kernels.tpu_quant_slot_logits(jnp.zeros((1, 2, 64)), codes, step, r=4, bits=4, capacity=16,
+                                  block_n=100)
+  with pytest.raises(ValueError, match="bits"):
+    kernels.tpu_quant_slot_logits(jnp.zeros((1, 2, 64)), codes, step, r=4, bits=3, capacity=16)

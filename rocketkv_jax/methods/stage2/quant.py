@@ -273,10 +273,12 @@ def _fused_logits(qs: jax.Array, rows: jax.Array, bits: int) -> list[jax.Array]:
 
 def slot_logits(q: jax.Array, state: QuantState, r: int, *, group_dims: str = "sum",
                 impl: str = "auto") -> jax.Array:
-  """`slot_logits_xla`, or the Pallas kernel (`kernels.quant_slot_logits`) as `impl` picks."""
+  """`slot_logits_xla`, or a Pallas kernel as `impl` picks: `kernels.quant_slot_logits` on a
+  GPU, `kernels.tpu_quant_slot_logits` on TPU."""
   return _impl.dispatch(impl, lambda: slot_logits_xla(q, state, r, group_dims),
                         "quant_slot_logits", q, state.codes, state.step, r=r, bits=state.bits,
-                        capacity=state.cache.capacity, group_dims=group_dims)
+                        capacity=state.cache.capacity, group_dims=group_dims,
+                        tpu="tpu_quant_slot_logits")
 
 
 def select_quant(q: jax.Array, state: QuantState, plan: Plan, *,
