@@ -221,3 +221,20 @@ def test_request_stop_strings_eos_and_streamed_text():
   r = Request("l", [1], SamplingParams(max_tokens=2, ignore_eos=True), _Chars(), eos_ids=[0])
   r.add_tokens([0, 0, 0])
   assert r.generated == [0, 0] and r.finish_reason == "length"
+
+
+def test_prefill_tokens_per_step_interleaves_admissions_with_decoding():
+  model, rc = _model(), CONFIGS["snapkv"]
+  prompts = _prompts((100, 100, 100, 30))
+  eng = _engine(model, rc, prefill_tokens_per_step=150)
+  handles = [eng.add_request(p, GREEDY) for p in prompts]
+  running = []
+  while eng.has_work():
+    eng.step()
+    running.append(eng.stats().num_running)
+  # two 100-token prompts reach 150 tokens: one step admits 2, the next the other 2
+  assert running[:2] == [2, 4]
+  alone = _engine(model, rc).generate(prompts, GREEDY)
+  assert [h.result().token_ids for h in handles] == [o.token_ids for o in alone]
+  with pytest.raises(ValueError, match="prefill_tokens_per_step"):
+    EngineConfig(rc, prefill_tokens_per_step=0)

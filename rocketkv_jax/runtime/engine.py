@@ -75,6 +75,9 @@ class EngineConfig:
     max_waiting: requests that may wait for a slot; beyond it `add_request` raises QueueFull.
     steps_per_call: decode steps per compiled call (host round trips are amortised over them;
       a finished request's extra steps are dropped).
+    prefill_tokens_per_step: admissions of one step stop once their prompts reach this many
+      tokens (at least one request is admitted): the running requests then decode before the
+      next prefills. None: every free slot is filled first (best time to first token).
     min_bucket: the smallest prompt length bucket (a power of two).
     block_size: prefill attention tile.
     impl: "auto" | "xla" | "pallas" for the KV method's hot path.
@@ -87,6 +90,7 @@ class EngineConfig:
   kv_cache_mb: float | None = None
   max_waiting: int = 256
   steps_per_call: int = 1
+  prefill_tokens_per_step: int | None = None
   min_bucket: int = 64
   block_size: int = 512
   impl: str = "auto"
@@ -103,6 +107,11 @@ class EngineConfig:
     if self.max_new_tokens >= self.max_model_len:
       raise ValueError(f"max_new_tokens must be < max_model_len={self.max_model_len}, got "
                        f"{self.max_new_tokens}")
+    if self.prefill_tokens_per_step is not None and (
+        isinstance(self.prefill_tokens_per_step, bool)
+        or not isinstance(self.prefill_tokens_per_step, int) or self.prefill_tokens_per_step < 1):
+      raise ValueError(f"prefill_tokens_per_step must be None or an int >= 1, got "
+                       f"{self.prefill_tokens_per_step!r}")
     if self.min_bucket & (self.min_bucket - 1):
       raise ValueError(f"min_bucket must be a power of two, got {self.min_bucket}")
     if self.kv_cache_mb is not None and not (isinstance(self.kv_cache_mb, (int, float))
@@ -349,7 +358,8 @@ class Engine:
     """One iteration: drop cancelled requests, admit waiting ones into free slots (prefill),
     then one decode call over the slots if any is busy."""
     self._reap()
-    while True:
+    prefilled, limit = 0, self.config.prefill_tokens_per_step
+    while limit is None or prefilled < limit:
       with self._lock:
         free = [i for i, r in enumerate(self._slots) if r is None]
         if not free or not self._waiting:
@@ -359,6 +369,7 @@ class Engine:
           self._end(req, "abort")
           continue
       self._admit(req, free[0])
+      prefilled += len(req.prompt_ids)
     if any(r is not None for r in self._slots):
       self._decode()
 

@@ -50,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--steps-per-call", type=int, default=1,
                  help="decode steps per compiled call (default 1: a token per call, the "
                       "smoothest streaming)")
+  p.add_argument("--prefill-tokens-per-step", type=int, default=None,
+                 help="admissions between two decode calls stop once their prompts reach this "
+                      "many tokens (default: fill every free slot first)")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                  help="parameter and KV-cache dtype (default float32)")
   p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -83,6 +86,9 @@ def check(args: argparse.Namespace) -> None:
   for flag in ("budget", "max_num_seqs", "max_new_tokens", "steps_per_call"):
     if getattr(args, flag) < 1:
       raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+  if args.prefill_tokens_per_step is not None and args.prefill_tokens_per_step < 1:
+    raise UsageError(f"--prefill-tokens-per-step must be >= 1, got "
+                     f"{args.prefill_tokens_per_step}")
   if args.max_waiting < 0:
     raise UsageError(f"--max-waiting must be >= 0, got {args.max_waiting}")
   if not 0 < args.port < 65536:
@@ -108,7 +114,8 @@ def build_engine(args: argparse.Namespace):
   return Engine(model, EngineConfig(
       rocket_config, max_model_len=max_model_len, max_new_tokens=args.max_new_tokens,
       max_num_seqs=args.max_num_seqs, kv_cache_mb=args.kv_cache_mb,
-      max_waiting=args.max_waiting, steps_per_call=args.steps_per_call))
+      max_waiting=args.max_waiting, steps_per_call=args.steps_per_call,
+      prefill_tokens_per_step=args.prefill_tokens_per_step))
 
 
 def main(argv=None) -> None:
