@@ -16,7 +16,7 @@ on a CPU host and exported for CUDA or TPU therefore carries that platform's ker
                    semaphores), on whatever runs them (tests)
 
 A function without a kernel for a platform runs its XLA path there (TPU: stage 1's window
-scores, the quant codes' logits; the fused GPU select + attend runs as its two steps).
+scores; the fused GPU select + attend runs as its two steps).
 
 `impl="pallas"` names the compiled kernels, never an interpret mode. Its platform is checked when
 the call is traced (`check`, a ValueError): the platforms being exported for inside
