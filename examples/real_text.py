@@ -92,7 +92,32 @@ def main(argv=None):
                  help="allow writing into an --out folder that already holds files")
   p.add_argument("--render", default=None, metavar="JSON",
                  help="only rewrite the markdown tables of a results JSON (next to it)")
+  p.add_argument("--compare", nargs=2, default=None, metavar=("A", "B"),
+                 help="only print method A minus method B, paired per document, from the "
+                      "results JSONs given with --results (runs on the same documents merge)")
+  p.add_argument("--results", nargs="+", default=None, metavar="JSON")
   a = p.parse_args(argv)
+  if a.compare is not None:
+    try:
+      if not a.results:
+        raise ValueError("--compare needs --results JSON [JSON ...]")
+      loaded = []
+      for path in a.results:
+        with open(path) as f:
+          loaded.append(json.load(f))
+      rows = real_text.compare(real_text.merge_records(loaded), *a.compare)
+      if not rows:
+        raise ValueError(f"no documents scored by both {a.compare[0]!r} and {a.compare[1]!r}")
+    except (OSError, ValueError, KeyError) as e:
+      print(f"error: {e}", file=sys.stderr)
+      raise SystemExit(2) from None
+    print(f"{a.compare[0]} minus {a.compare[1]}, mean log-prob / token, paired per document\n")
+    print("| corpus | probe | N | B | n docs | difference [95% CI] |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+      print(f"| {r['corpus']} | {r['probe']} | {r['length']} | {r['budget'] or '-'} | {r['n']} | "
+            f"{r['delta']:+.3f} [{r['delta_lo']:+.3f}, {r['delta_hi']:+.3f}] |")
+    return
   if a.render is not None:
     try:
       with open(a.render) as f:

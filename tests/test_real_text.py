@@ -145,6 +145,33 @@ def test_bootstrap_intervals_match_numpy_reference():
   assert row["delta_lo"] < row["delta"] < row["delta_hi"]
 
 
+def test_compare_pairs_runs_on_the_same_documents():
+  """`compare` of a method against full is the summary's delta; runs merge by document, and a
+  document whose text changed between runs is refused."""
+  rng = np.random.default_rng(1)
+  def result(method, budget, values, sha="a" * 64):
+    docs = [dict(corpus="test", name=f"d{i}", sha256=sha) for i in range(len(values))]
+    recs = [dict(corpus="test", doc=f"d{i}", probe="recall", length=N, method=method,
+                 budget=budget, mean_logprob=v, agreement=1.0, gold_top1=0.5, logprobs=[0.0])
+            for i, v in enumerate(values)]
+    return dict(documents=docs, records=recs)
+  full, rk, var = (rng.normal(-1, 0.3, 6) for _ in range(3))
+  one = result("full", None, full)
+  one["records"] += result("rocketkv", 64, rk)["records"]
+  two = result("full", None, full)
+  two["records"] += result("snapkv:prompt_budget=100", 64, var)["records"]
+  recs = rt.merge_records([one, two])
+  assert len(recs) == 18
+  row = rt.compare(recs, "rocketkv", "full", n_boot=500)[0]
+  ref = next(r for r in rt.summarize(recs, cfg(n_boot=500)) if r["method"] == "rocketkv")
+  assert (row["delta"], row["delta_lo"], row["delta_hi"], row["budget"]) == (
+      ref["delta"], ref["delta_lo"], ref["delta_hi"], 64)
+  row = rt.compare(recs, "rocketkv", "snapkv:prompt_budget=100")[0]
+  assert row["delta"] == pytest.approx(np.mean(rk - var)) and row["n"] == 6
+  with pytest.raises(ValueError, match="differs between the runs"):
+    rt.merge_records([one, result("full", None, full, sha="b" * 64)])
+
+
 def test_missing_corpus_names_the_install_command(monkeypatch):
   real_find_spec = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec",

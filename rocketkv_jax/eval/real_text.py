@@ -184,9 +184,11 @@ def recall_probe(ids, offsets, text, length: int, *, target_tokens: int, cue_tok
   if not cuts:
     return None
   cut = max(cuts)
+  if cut < cue_tokens:
+    return None
   lo, hi = distance
   head = np.asarray(ids[:cut])
-  windows = np.lib.stride_tricks.sliding_window_view(head, cue_tokens) if cut >= cue_tokens else None
+  windows = np.lib.stride_tricks.sliding_window_view(head, cue_tokens)
   cands = []
   for s, e, is_sentence in tspans:
     if not is_sentence or not lo <= cut - s <= hi or e > cut or e - s < cue_tokens + min_rest:
@@ -391,6 +393,57 @@ def summarize(records: list[dict], cfg: RealTextConfig) -> list[dict]:
   rows.sort(key=lambda r: (corpus_order.get(r["corpus"], len(corpus_order)), r["corpus"],
                            r["probe"], r["length"],
                            order.get(r["method"], len(order)), r["budget"] or 0))
+  return rows
+
+
+def merge_records(results: list[dict]) -> list[dict]:
+  """The records of several runs' results (e.g. a run of extra variants on the same documents),
+  each (corpus, doc, probe, length, method, budget) once, the first run's kept. ValueError when
+  two runs read a document of the same name with different text (sha256)."""
+  shas, out, seen = {}, [], set()
+  for res in results:
+    for d in res["documents"]:
+      if shas.setdefault((d["corpus"], d["name"]), d["sha256"]) != d["sha256"]:
+        raise ValueError(f"document {d['corpus']}/{d['name']} differs between the runs (sha256)")
+    for r in res["records"]:
+      key = (r["corpus"], r["doc"], r["probe"], r["length"], r["method"], r["budget"])
+      if key not in seen:
+        seen.add(key)
+        out.append(r)
+  return out
+
+
+def compare(records: list[dict], a: str, b: str, *, n_boot: int = 10000,
+            seed: int = 0) -> list[dict]:
+  """Method `a` minus method `b` (specs; aliases allowed), paired per document: per (corpus,
+  probe, length, budget) where both scored the same documents, the mean log-prob difference and
+  its bootstrap interval. A method with one budget (full) pairs with every budget of the other."""
+  a, b = variants.canonical(a), variants.canonical(b)
+  by: dict = {}
+  for r in records:
+    if r["method"] in (a, b):
+      by.setdefault((r["method"], r["corpus"], r["probe"], r["length"], r["budget"]),
+                    {})[r["doc"]] = r["mean_logprob"]
+
+  def budgets(m, k):
+    return sorted({key[4] for key in by if key[0] == m and key[1:4] == k}, key=lambda x: x or 0)
+
+  rows = []
+  for k in sorted({key[1:4] for key in by if key[0] == a}):
+    ba, bb = budgets(a, k), budgets(b, k)
+    if len(ba) == 1 or len(bb) == 1:  # one side has a single budget: it pairs with each other
+      pairs = [(x, y) for x in ba for y in bb]
+    else:
+      pairs = [(x, x) for x in ba if x in bb]
+    for x, y in pairs:
+      xa, xb = by[(a, *k, x)], by[(b, *k, y)]
+      if sorted(xa) != sorted(xb):
+        continue
+      docs = sorted(xa)
+      d, lo, hi = stats.paired_bootstrap_diff([xa[i] for i in docs], [xb[i] for i in docs],
+                                              n_boot=n_boot, seed=seed)
+      rows.append(dict(corpus=k[0], probe=k[1], length=k[2], budget=x if x is not None else y,
+                       n=len(docs), delta=d, delta_lo=lo, delta_hi=hi))
   return rows
 
 
