@@ -47,6 +47,28 @@ def _engine_ms(eng: Engine, prompts, new: int) -> float:
   return ms
 
 
+def _admit_seconds(model, rc, a) -> dict[int, float]:
+  """Seconds one admission (prefill into a slot) of each --prefill-lengths prompt takes: the
+  time every running request waits for it (the best of two, after a compiling one)."""
+  lengths = [int(x) for x in a.prefill_lengths.split(",")]
+  eng = Engine(model, EngineConfig(rc, max_model_len=max(lengths) + a.new + 2,
+                                   max_new_tokens=a.new + 1, max_num_seqs=2))
+  tok = model.tokenizer
+  out = {}
+  for n in lengths:
+    ids = bench_common.niah_prompt_ids(tok, n)[:n]
+    times = []
+    for _ in range(3):
+      h = eng.add_request(ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+      t0 = time.perf_counter()
+      eng._admit(eng._waiting.popleft(), 0)  # pylint: disable=protected-access
+      times.append(time.perf_counter() - t0)
+      h.cancel()
+      eng.step()
+    out[n] = min(times[1:])
+  return out
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--model", default="smollm2", help="smollm2, gemma3, an HF dir or a .gguf")
@@ -57,6 +79,9 @@ def main(argv=None) -> int:
   ap.add_argument("--steps-per-call", type=int, default=1)
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--methods", default="full,rocketkv,recommended")
+  ap.add_argument("--prefill-lengths", default="",
+                  help="comma-separated prompt lengths: also time one admission (prefill) of "
+                       "each, the longest stall of the running requests it causes")
   ap.add_argument("--out", default="runs/engine_step")
   a = ap.parse_args(argv)
   try:
@@ -93,9 +118,11 @@ def main(argv=None) -> int:
                steps_per_call=a.steps_per_call, engine_ms=statistics.median(eng_ms),
                generate_ms=statistics.median(gen_ms), engine_runs=eng_ms, generate_runs=gen_ms)
     row["ratio"] = row["engine_ms"] / row["generate_ms"]
+    row["admit_s"] = _admit_seconds(model, rc, a) if a.prefill_lengths else {}
     rows.append(row)
     print(f"{name:12s} engine {row['engine_ms']:8.2f} ms/step  generate "
-          f"{row['generate_ms']:8.2f} ms/step  ratio {row['ratio']:.3f}", flush=True)
+          f"{row['generate_ms']:8.2f} ms/step  ratio {row['ratio']:.3f}  admit (prefill) s "
+          f"{row['admit_s']}", flush=True)
   os.makedirs(a.out, exist_ok=True)
   with open(os.path.join(a.out, "engine_step.json"), "w") as f:
     json.dump(dict(command=" ".join(sys.argv), model=a.model, rows=rows), f, indent=1)
