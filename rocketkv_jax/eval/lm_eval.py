@@ -10,32 +10,10 @@ From Python: `import rocketkv_jax.eval.lm_eval` registers the model; then
 `lm_eval.simple_evaluate(model="rocketkv", model_args="method=rocketkv,...", tasks=[...])`, or
 pass an instance: `simple_evaluate(model=RocketKVLM(pretrained=model), ...)`.
 
-model_args (lm-eval's `key=value,key=value`; model_args win over the CLI's --batch_size):
-  pretrained   an HF directory or a .gguf file (default: the embedded SmolLM2-135M-Instruct,
-               `rocketkv.models.smollm2_path()`), or a loaded `rocketkv.models.Model`.
-  method, token_budget   the KV method (`rocketkv.METHODS`, or recommended for
-               `RocketConfig.recommended`, whose fields the ones given override) and its budget
-               B (default rocketkv / 256).
-  <field>      every `rocketkv.RocketConfig` field by name (window_size=, top_k=, ...), typed
-               from the dataclass, so fields added later are accepted without changes here.
-               stage2= takes a variant's name; its own fields take their spec keys
-               (stage2=quant,quant_bits=2,quant_capacity=equal_read; `eval.variants`).
-  dtype        float32 (default) | bfloat16.
-  batch_size   requests per compiled batch (default 1; "auto" means 1).
-  max_length   tokens of context + generation at most (default: the model's context); longer
-               inputs lose their oldest context tokens, as lm-eval's HF backend does.
-  chat         true: wrap each request's context in the chat template as one user turn (as
-               `generate(chat=True)`); lm-eval's own --apply_chat_template is also supported
-               (`apply_chat_template` / `tokenizer_name` below). Use one or the other.
-  pad_multiple loglikelihood only: round padded lengths up to a multiple (default 64) so that
-               many request lengths share compiled programs; the budget split is planned for
-               the rounded lengths (exact: pad_multiple=1).
-  pad_to       generate_until only: pad every batch to at least this many context tokens and
-               plan the budget split for that length (`rocketkv.generate(pad_to=)`), as our
-               harness plans for its nominal context length; batches then share compiled
-               programs. Default: each batch is planned for its longest context.
-  seed         sampling seed (default 0; batch i of a call uses seed + i).
-  impl         "auto" | "xla" | "pallas" (the core's hot path).
+model_args (lm-eval's `key=value,...`): `pretrained` (an HF directory, a .gguf or a loaded
+`rocketkv.models.Model`; default the embedded SmolLM2), `method` (or `recommended`),
+`token_budget`, any `RocketConfig` field by name, `dtype`, `batch_size`, `max_length`, `chat`,
+`pad_multiple`, `pad_to`, `seed`, `impl`: each explained in docs/evaluation.md.
 
 Requests: generate_until through `rocketkv.generate`; loglikelihood through
 `rocketkv.score_continuations` (the continuation teacher-forced through the method's own decode
