@@ -198,9 +198,8 @@ def decode_step(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache, plan: P
     debug: also check the values: a NaN or Inf in q, k_new or v_new, or a cache overflow after
       the step, is an error (`checked`; nothing is added to the computation when False).
   Returns:
-    (out [B, Hq, D] attention output in q's dtype, new state). A row whose q, k_new or v_new
-    holds a NaN or Inf gets an all-NaN output row, whatever the method (a token stored in the
-    cache is read or not as the method selects: docs/reliability.md).
+    (out [B, Hq, D] attention output in q's dtype, new state). A NaN or Inf input reaches the
+    output where the method reads it (docs/reliability.md#non-finite-inputs; `debug`).
   """
   _check_plan(plan)
   if sliding_window is not None:
@@ -221,10 +220,7 @@ def decode_step(q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache, plan: P
     over = cache_overflow(state)
     _debug_check(~jnp.any(over), "cache overflow: row {row} is full (capacity reached; plan "
                  "for more max_new_tokens)", row=jnp.argmax(over))
-  # A selecting method may skip the new token (its NaN score is never picked) and return a
-  # finite row: every method returns NaN where the step's own inputs are not finite.
-  ok = _finite_rows(q) & _finite_rows(k_new) & _finite_rows(v_new)
-  return jnp.where(ok[:, None, None], out, jnp.asarray(jnp.nan, out.dtype)), state
+  return out, state
 
 
 def _finite_rows(x: jax.Array) -> jax.Array:
