@@ -2,7 +2,7 @@
 import json, sys, os
 sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]
 sys.path.insert(0, os.environ["PKG"])
-sys.path.insert(1, "/work/main/tests")
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tests"))
 import numpy as np
 import rocketkv_jax as rocketkv
 print(rocketkv.__file__, file=sys.stderr)
