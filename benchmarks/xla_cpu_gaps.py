@@ -221,12 +221,12 @@ def main(argv=None) -> int:
     if gbs is None:
       print(f"| {name} | {1e3 * s:.2f} | - | - | - |")
     else:
-      print(f"| {name} | {1e3 * s:.2f} | {_rate(gbs)} | {_rate(read)} | {read / gbs:.1f}x |")
+      print(f"| {name} | {1e3 * s:.2f} | {_rate(gbs)} | {_rate(read)} | {read / gbs:.3g}x |")
   print(f"\n| prefill op (one layer) | ms | GFLOP/s | GFLOP/s of a {pre[-1] if a.quick else 2048}^3 "
         "matmul | ratio |")
   print("|---|---:|---:|---:|---:|")
   for name, s, rate, ref in flops:
-    print(f"| {name} | {1e3 * s:.2f} | {_rate(rate)} | {_rate(ref)} | {ref / rate:.1f}x |")
+    print(f"| {name} | {1e3 * s:.2f} | {_rate(rate)} | {_rate(ref)} | {ref / rate:.3g}x |")
   return 0
 
 
