@@ -25,14 +25,8 @@ import numpy as np
 import rocketkv_jax as rocketkv
 from rocketkv_jax import models
 from rocketkv_jax.eval import stats, tasks
+from rocketkv_jax.eval.variants import rocket_config  # a method spec, `recommended` too
 from rocketkv_jax.runtime.engine import Engine, EngineConfig, SamplingParams
-
-
-def rocket_config(method: str, budget: int) -> rocketkv.RocketConfig:
-  """As the server's --method reads it."""
-  if method == "recommended":
-    return rocketkv.RocketConfig.recommended(budget)
-  return rocketkv.RocketConfig(token_budget=budget, method=method)
 
 
 def main(argv=None) -> int:

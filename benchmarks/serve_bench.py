@@ -137,13 +137,8 @@ def _summary(gl: dict, window: list[dict], before: dict, after: dict) -> dict:
 
 def _slots_only(a, path: str) -> int:
   """Prints and writes each method's slot size and slots in the pool (no load)."""
-  import rocketkv_jax as rocketkv
+  from rocketkv_jax.eval.variants import rocket_config  # as the server's --method reads it
   from rocketkv_jax.runtime.engine import Engine, EngineConfig
-
-  def rocket_config(method, budget):  # as the server's --method reads it
-    if method == "recommended":
-      return rocketkv.RocketConfig.recommended(budget)
-    return rocketkv.RocketConfig(token_budget=budget, method=method)
 
   model = models.load(path)
   rows = []
