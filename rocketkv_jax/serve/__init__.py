@@ -12,8 +12,8 @@ try:
   import prometheus_client as _prometheus_client  # noqa: F401
   import uvicorn as _uvicorn  # noqa: F401
 except ImportError as _e:
-  raise ImportError(f"rocketkv_jax.serve needs the serve extra (missing {_e.name}): "
-                    f"pip install 'rocketkv-jax[serve]'") from None
+  from rocketkv_jax.serve._extra import missing as _missing
+  raise _missing(_e) from None
 
 from rocketkv_jax.serve.app import build_app  # noqa: E402
 from rocketkv_jax.serve.server import serve  # noqa: E402

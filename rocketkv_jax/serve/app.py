@@ -16,9 +16,14 @@ import secrets
 import time
 import uuid
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from rocketkv_jax.serve import _extra
+
+try:  # the serve extra
+  from fastapi import FastAPI, Request
+  from fastapi.responses import JSONResponse, Response, StreamingResponse
+  from starlette.exceptions import HTTPException as StarletteHTTPException
+except ImportError as e:
+  raise _extra.missing(e) from None
 
 from rocketkv_jax.runtime.engine import Engine, EngineClosed, QueueFull
 from rocketkv_jax.serve import protocol, responses

@@ -7,8 +7,13 @@ stamps (`time.monotonic()`): time to first token, inter-token latency, end-to-en
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from rocketkv_jax.serve import _extra
+
+try:  # the serve extra
+  from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+  from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+except ImportError as e:
+  raise _extra.missing(e) from None
 
 from rocketkv_jax.runtime.requests import Output
 

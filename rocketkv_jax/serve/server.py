@@ -14,7 +14,12 @@ import logging
 import signal
 import threading
 
-import uvicorn
+from rocketkv_jax.serve import _extra
+
+try:  # the serve extra
+  import uvicorn
+except ImportError as e:
+  raise _extra.missing(e) from None
 
 from rocketkv_jax.runtime.engine import Engine
 
