@@ -296,8 +296,10 @@ def test_client_disconnect_aborts_and_frees_the_slot(served):
   assert m[aborted] == before + 1
   assert m["rocketkv:kv_cache_usage_perc"] == 0 and m["rocketkv:num_requests_running"] == 0
   # a plain request whose client gives up (times out) is aborted too
+  # (the most tokens its slot takes and a short timeout: a fast machine must not finish first)
+  most = served.engine.max_tokens_for(len(served.model.tokenizer.encode(long["prompt"])))
   with pytest.raises(httpx.ReadTimeout):
-    served.post("/v1/completions", long, timeout=0.3)
+    served.post("/v1/completions", dict(long, max_tokens=most), timeout=0.05)
   m = served.idle()
   assert m[aborted] == before + 2 and m["rocketkv:kv_cache_usage_perc"] == 0
 
