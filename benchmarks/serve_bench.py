@@ -11,6 +11,9 @@ each request rate runs guidellm (constant rate, `--requests` requests of real te
 it polls the server's /metrics and RSS. Per (method, rate), side by side: requests running at
 once (peak, mean), output tokens/s, requests/s, TTFT p50 / p99, inter-token latency p50 / p99,
 KV usage (peak, mean), the server's peak RSS, and the engine's prefill vs decode seconds.
+guidellm's rates count only the requests that completed; `--max-seconds` stops a rate's run
+(guidellm's max_duration) and the requests still running then count as incomplete, so the
+table also gives the server's generated tokens per second over the run (gen_tok_s).
 """
 
 from __future__ import annotations
@@ -120,11 +123,15 @@ def _summary(gl: dict, window: list[dict], before: dict, after: dict) -> dict:
   running = [s["rocketkv:num_requests_running"] for s in window] or [0.0]
   usage = [s["rocketkv:kv_cache_usage_perc"] for s in window] or [0.0]
   delta = lambda k: after.get(k, 0.0) - before.get(k, 0.0)
-  done = m["request_totals"]["successful"] if "request_totals" in m else None
+  totals = m.get("request_totals", {})
+  wall = (window[-1]["t"] - window[0]["t"]) if len(window) > 1 else 0.0
   return dict(
-      completed=done, running_peak=max(running), running_mean=statistics.fmean(running),
+      completed=totals.get("successful"), incomplete=totals.get("incomplete"),
+      errored=totals.get("errored"), wall_s=wall,
+      running_peak=max(running), running_mean=statistics.fmean(running),
       output_tok_s=float(m["output_tokens_per_second"]["successful"]["mean"]),
       requests_s=float(m["requests_per_second"]["successful"]["mean"]),
+      gen_tok_s=delta("rocketkv:generation_tokens_total") / wall if wall else 0.0,
       ttft_p50_ms=_pct(m, "time_to_first_token_ms", "p50"),
       ttft_p99_ms=_pct(m, "time_to_first_token_ms", "p99"),
       itl_p50_ms=_pct(m, "inter_token_latency_ms", "p50"),
@@ -133,6 +140,23 @@ def _summary(gl: dict, window: list[dict], before: dict, after: dict) -> dict:
       peak_rss_mb=max([s["peak_rss_mb"] for s in window] or [0.0]),
       prefill_s=delta("rocketkv:prefill_seconds_total"),
       decode_s=delta("rocketkv:decode_seconds_total"))
+
+
+COLS = ["method", "rate", "slots", "completed", "incomplete", "running_peak", "running_mean",
+        "output_tok_s", "gen_tok_s", "requests_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+        "itl_p99_ms", "kv_usage_peak", "kv_usage_mean", "peak_rss_mb", "prefill_s", "decode_s"]
+
+
+def _write(out: str, command: str, files: list[str], rows: list[dict]) -> str:
+  """serve_bench.json and serve_bench.md (the command on top, then the table); the table."""
+  with open(os.path.join(out, "serve_bench.json"), "w") as f:
+    json.dump(dict(command=command, text=files, rows=rows), f, indent=1)
+  table = "| " + " | ".join(COLS) + " |\n|" + "---|" * len(COLS) + "\n" + "".join(
+      "| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c])
+                        for c in COLS) + " |\n" for r in rows)
+  with open(os.path.join(out, "serve_bench.md"), "w") as f:
+    f.write(f"    {command}\n\n{table}")
+  return table
 
 
 def _slots_only(a, path: str) -> int:
@@ -181,6 +205,9 @@ def main(argv=None) -> int:
   ap.add_argument("--output-tokens", type=int, default=1024)
   ap.add_argument("--rates", default="0.02,0.05,0.1", help="requests/s, comma-separated")
   ap.add_argument("--requests", type=int, default=16, help="requests per rate")
+  ap.add_argument("--max-seconds", type=float, default=None,
+                  help="stop each rate's run after this many seconds (guidellm's max_duration); "
+                       "requests still running then count as incomplete")
   ap.add_argument("--text", nargs="+", default=None,
                   help=f"real text files the prompts are cut from (default {DEFAULT_TEXT})")
   ap.add_argument("--guidellm", default="guidellm", help="the guidellm executable")
@@ -193,8 +220,10 @@ def main(argv=None) -> int:
   try:
     path = models.resolve(a.model)
     rates = [float(r) for r in a.rates.split(",")]
-    if min(rates) <= 0 or min(a.requests, a.prompt_tokens, a.output_tokens) < 1:
-      raise ValueError("--rates, --requests, --prompt-tokens, --output-tokens must be > 0")
+    if min(rates) <= 0 or min(a.requests, a.prompt_tokens, a.output_tokens) < 1 or (
+        a.max_seconds is not None and a.max_seconds <= 0):
+      raise ValueError("--rates, --requests, --prompt-tokens, --output-tokens, --max-seconds "
+                       "must be > 0")
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -224,6 +253,7 @@ def main(argv=None) -> int:
   data = os.path.join(work, "prompts.jsonl")
   _prompts(tokenizer, files, a.requests, a.prompt_tokens, a.output_tokens, data)
   _tokenizer_dir(tokenizer, os.path.join(work, "tokenizer"))
+  command = " ".join(["python3", "benchmarks/serve_bench.py"] + sys.argv[1:])
   rows = []
   for method in a.methods.split(","):
     port = _free_port()
@@ -255,6 +285,8 @@ def main(argv=None) -> int:
                "--data", f"kind=json_file,path={data}",
                "--tokenizer", f"kind=huggingface_auto,model={os.path.join(work, 'tokenizer')}",
                "--output", f"kind=json,path={out}", "--disable-console-interactive"]
+        if a.max_seconds is not None:
+          cmd += ["--constraint", f"kind=max_duration,seconds={a.max_seconds:g}"]
         subprocess.run(cmd, check=True, env=dict(os.environ, HF_HUB_OFFLINE="1"),
                        stdout=subprocess.DEVNULL)
         after = _metrics(base)
@@ -264,23 +296,13 @@ def main(argv=None) -> int:
                      **_summary(json.load(f), window, before, after))
         rows.append(row)
         print(json.dumps(row), flush=True)
+        _write(a.out, command, files, rows)  # each row as it lands
       poller.stop.set()
     finally:
       server.terminate()
       server.wait(60)
       log.close()
-  with open(os.path.join(a.out, "serve_bench.json"), "w") as f:
-    json.dump(dict(command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-                   text=files, rows=rows), f, indent=1)
-  cols = ["method", "rate", "slots", "running_peak", "running_mean", "output_tok_s",
-          "requests_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-          "kv_usage_peak", "kv_usage_mean", "peak_rss_mb", "prefill_s", "decode_s"]
-  with open(os.path.join(a.out, "serve_bench.md"), "w") as f:
-    f.write("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
-    for r in rows:
-      f.write("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c])
-                                for c in cols) + " |\n")
-  print(open(os.path.join(a.out, "serve_bench.md")).read())
+  print(_write(a.out, command, files, rows))
   return 0
 
 

@@ -27,6 +27,7 @@ def test_prompts_are_windows_of_the_text(tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["--rates", "0"], "must be > 0"),
+    (["--max-seconds", "0"], "must be > 0"),
     (["--model", "nope"], "model must be one of"),
     (["--guidellm", "/nonexistent/guidellm"], "--guidellm"),
     (["--text", "/nonexistent.txt"], "--text"),
@@ -34,3 +35,27 @@ def test_prompts_are_windows_of_the_text(tmp_path):
 def test_user_errors_exit_2(capsys, argv, message):
   assert serve_bench.main(argv) == 2
   assert message in capsys.readouterr().err
+
+
+def test_summary_and_table_count_the_cut_off_requests(tmp_path):
+  dist = lambda v: {"successful": {"mean": v, "percentiles": {"p50": v, "p99": 2 * v}}}
+  gl = {"benchmarks": [{"metrics": {
+      "request_totals": {"successful": 3, "incomplete": 2, "errored": 0, "total": 5},
+      "output_tokens_per_second": dist(30.0), "requests_per_second": dist(0.1),
+      "time_to_first_token_ms": dist(900.0), "inter_token_latency_ms": dist(40.0)}}]}
+  window = [{"t": 10.0 + i, "rocketkv:num_requests_running": r, "rocketkv:kv_cache_usage_perc": u,
+             "peak_rss_mb": 100.0 + i} for i, (r, u) in enumerate([(1, 0.1), (4, 0.5), (3, 0.4)])]
+  before = {"rocketkv:generation_tokens_total": 10.0, "rocketkv:prefill_seconds_total": 1.0}
+  after = {"rocketkv:generation_tokens_total": 110.0, "rocketkv:prefill_seconds_total": 1.5,
+           "rocketkv:decode_seconds_total": 1.25}
+  row = serve_bench._summary(gl, window, before, after)
+  assert (row["completed"], row["incomplete"], row["running_peak"]) == (3, 2, 4)
+  assert row["running_mean"] == pytest.approx(8 / 3) and row["wall_s"] == 2.0
+  assert row["gen_tok_s"] == 50.0 and row["ttft_p99_ms"] == 1800.0
+  assert (row["prefill_s"], row["decode_s"], row["peak_rss_mb"]) == (0.5, 1.25, 102.0)
+  table = serve_bench._write(str(tmp_path), "python3 benchmarks/serve_bench.py --x", [],
+                             [dict(method="full", rate=0.05, slots=5.0, **row)])
+  md = (tmp_path / "serve_bench.md").read_text()
+  assert md.startswith("    python3 benchmarks/serve_bench.py --x\n") and md.endswith(table)
+  assert "| full | 0.05 | 5 | 3 | 2 | 4 |" in table
+  assert json.loads((tmp_path / "serve_bench.json").read_text())["rows"][0]["incomplete"] == 2
