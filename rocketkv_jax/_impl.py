@@ -83,6 +83,14 @@ def check(impl: str) -> None:
             f"modes; to export from this host use impl='auto' or rocketkv.export_decode_step)")
 
 
+def for_pages(impl: str) -> str:
+  """The impl a paged cache runs: the XLA path (the kernels read contiguous caches)."""
+  check(impl)
+  require(impl in ("auto", "xla"), f"impl must be 'auto' or 'xla' for a paged cache (the "
+          f"kernels read contiguous caches), got {impl!r}")
+  return "xla"
+
+
 def _call(kernel: str | Callable[[bool], object] | None, interpret: bool, args, kwargs):
   if callable(kernel):
     return kernel(interpret)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rocketkv_jax import _impl
+from rocketkv_jax import _impl, pages
 from rocketkv_jax._checks import require, require_layout, require_rank
-from rocketkv_jax.cache import KVCache, valid_slots
+from rocketkv_jax.cache import KVCache, from_storage, valid_slots
 from rocketkv_jax.ops import gather_rows, group_queries
 from rocketkv_jax.select import check_query
 
@@ -63,10 +63,24 @@ def sparse_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, idx: jax.Arra
   # The gathered rows are converted to float32 as they are gathered (one fused op): the two
   # small products then run in f32, XLA:CPU's faster form (docs/cpu_performance.md), and the
   # probabilities stay in f32.
-  k_sel = gather_rows(k, idx).astype(jnp.float32)
-  v_sel = gather_rows(v, idx).astype(jnp.float32)
-  out = _softmax_combine(group_queries(q, k.shape[1]).astype(jnp.float32), k_sel, v_sel, valid)
+  return _attend_rows(q, gather_rows(k, idx), gather_rows(v, idx), valid)
+
+
+def _attend_rows(q, k_sel, v_sel, valid):
+  """q [B, Hq, D] over its KV heads' rows k_sel, v_sel [B, Hkv, K, D] (valid [B, Hkv, K])."""
+  k_sel, v_sel = k_sel.astype(jnp.float32), v_sel.astype(jnp.float32)
+  out = _softmax_combine(group_queries(q, k_sel.shape[1]).astype(jnp.float32), k_sel, v_sel,
+                         valid)
   return out.reshape(q.shape).astype(q.dtype)
+
+
+def paged_sparse_attention_xla(q: jax.Array, cache: KVCache, idx: jax.Array,
+                               valid: jax.Array) -> jax.Array:
+  """`sparse_attention_xla` on a paged cache: the rows `idx [B, Hkv, K]` (in range) read
+  straight from their pages (no gather of the whole sequence)."""
+  rows = lambda raw: from_storage(pages.gather_slots(raw, cache.table, idx, cache.page_size),
+                                  cache.dtype)
+  return _attend_rows(q, rows(cache.k_raw), rows(cache.v_raw), valid)
 
 
 def dense_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
@@ -126,7 +140,9 @@ def attend(q: jax.Array, cache: KVCache, idx: jax.Array | None = None, *,
     sel_valid = (jnp.take_along_axis(valid_slots(cache, sliding_window), clipped, axis=2)
                  & (idx >= 0) & (idx < cache.capacity))
   idx = clipped
-
+  if cache.paged:
+    _impl.for_pages(impl)
+    return paged_sparse_attention_xla(q, cache, idx, sel_valid)
   return _impl.dispatch(impl, lambda: sparse_attention_xla(q, cache.k, cache.v, idx, sel_valid),
                         "sparse_attention", q, cache.k, cache.v, idx, sel_valid,
                         tpu="tpu_sparse_attention")

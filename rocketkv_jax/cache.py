@@ -25,6 +25,13 @@ back (inside a jit the bitcast fuses into the gather that reads it). XLA:CPU com
 dynamic-update-slice in f32 (convert the whole buffer, update, convert back), so a bf16 buffer
 costs a full pass per appended token; on the bit pattern the append is an in-place row write.
 Other dtypes, and every dtype on GPU, are stored as they are (`STORE_16BIT_AS_BITS` overrides).
+
+Paged: a cache with a `table` keeps K, V and the summaries in a pool of pages shared by the
+sequences (`pages.py`: `k_raw [N, Hkv, P, D]`, slot s of sequence b at page `table[b, s // P]`);
+`pos` and the counters stay per sequence. `append` writes its row into the page; the properties
+`k, v, bounds` gather the sequence's pages into the layout above, and the hot reads (stage 2's
+rows, attention's selected slots) go through the table directly. The serving engine builds
+paged caches (runtime/paged_pool.py); everything else makes contiguous ones.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from rocketkv_jax import layer_scan
+from rocketkv_jax import layer_scan, pages
 from rocketkv_jax._checks import require, require_int_array, require_layout, require_rank
 from rocketkv_jax.ops import bounds_of, two_sided  # in ops: the kernels read them too
 
@@ -92,6 +99,9 @@ class KVCache:
     length: [B] int32 valid slots per sequence.
     seen: [B] int32 tokens seen so far (= absolute position of the next token).
     overflow: [B] bool, True once an append found the sequence full.
+    table: None for a contiguous cache; for a paged one (the serving engine's pool, module doc
+      "Paged"), [B, NP] int32 page ids: `k_raw, v_raw` are then pages [N, Hkv, P, D],
+      `bounds_raw` [N, Hkv, 2D | D, P / chunk_size], and the properties read through the table.
     chunk_size: static, slots per summary chunk (0: no summaries are kept).
     dtype_name: static, the logical dtype of k, v and the bounds.
     method: static, the method whose `rocketkv.prefill` made it ("" when built directly):
@@ -105,25 +115,36 @@ class KVCache:
   length: jax.Array
   seen: jax.Array
   overflow: jax.Array
+  table: jax.Array | None = None
   chunk_size: int = struct.field(pytree_node=False, default=1)
   dtype_name: str = struct.field(pytree_node=False, default="float32")
   method: str = struct.field(pytree_node=False, default="")
+  page_size: int = struct.field(pytree_node=False, default=0)  # P of a paged cache
 
   @property
   def dtype(self):
     return jnp.dtype(self.dtype_name)
 
   @property
+  def paged(self) -> bool:
+    return self.table is not None
+
+  @property
   def k(self) -> jax.Array:
-    return from_storage(self.k_raw, self.dtype)
+    return from_storage(self._slots(self.k_raw), self.dtype)
 
   @property
   def v(self) -> jax.Array:
-    return from_storage(self.v_raw, self.dtype)
+    return from_storage(self._slots(self.v_raw), self.dtype)
 
   @property
   def bounds(self) -> jax.Array:
-    return from_storage(self.bounds_raw, self.dtype)
+    raw = self.bounds_raw
+    return from_storage(pages.logical_cols(raw, self.table) if self.paged else raw, self.dtype)
+
+  def _slots(self, raw: jax.Array) -> jax.Array:
+    """[B, Hkv, C, D] storage in slot order (a gather of the pages when paged)."""
+    return pages.logical(raw, self.table) if self.paged else raw
 
   @property
   def kmin(self) -> jax.Array:
@@ -137,10 +158,14 @@ class KVCache:
 
   @property
   def capacity(self) -> int:
+    if self.paged:
+      return self.table.shape[-1] * self.page_size
     return self.k_raw.shape[2]
 
   @property
   def num_chunks(self) -> int:
+    if self.paged:
+      return self.table.shape[-1] * self.bounds_raw.shape[-1]
     return self.bounds_raw.shape[3]
 
   @property
@@ -300,7 +325,8 @@ def empty_cache(batch: int, num_kv_heads: int, capacity: int, head_dim: int, dty
 def _check_new(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> None:
   require(isinstance(cache, KVCache), f"cache must be a KVCache, got {type(cache).__name__} "
           f"(a method's state: rocketkv.decode_step appends to it)")
-  b, h, _, d = cache.k_raw.shape
+  _, h, _, d = cache.k_raw.shape
+  b = cache.length.shape[0]
   for name, x in (("k_new", k_new), ("v_new", v_new)):
     shape = tuple(getattr(x, "shape", ()))
     require_layout(shape != (b, h, d), name, "[B, Hkv, 1, D]", shape, "[B, Hkv, D]",
@@ -314,9 +340,11 @@ def _check_new(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> None:
             f"{name} dtype {x.dtype} must match the cache dtype {cache.dtype}")
 
 
-def write_rows(buf: jax.Array, rows: jax.Array, index: jax.Array, axis: int = 2) -> jax.Array:
+def write_rows(buf: jax.Array, rows: jax.Array, index: jax.Array, axis: int = 2,
+               at0: jax.Array | None = None) -> jax.Array:
   """Writes `rows` [B, H, ...] (buf's shape without `axis`) at position index[b] of `axis` of
   sequence b: buf[b, :, index[b]] = rows[b] for axis 2; index clamped to the axis' size - 1.
+  `at0 [B]`: the entry of buf's leading axis sequence b writes (a page id; default b).
   `buf` is a storage array (`to_storage`); `rows` are converted to its storage.
 
   One dynamic-update-slice per sequence (B is static and small) and no read of `buf`, so XLA
@@ -326,16 +354,18 @@ def write_rows(buf: jax.Array, rows: jax.Array, index: jax.Array, axis: int = 2)
   """
   rows = jnp.expand_dims(_storage_like(rows, buf), axis)
   index = jnp.clip(index, 0, buf.shape[axis] - 1)
+  nb = rows.shape[0]
+  at0 = jnp.arange(nb) if at0 is None else at0
 
   def write(target, lead):
-    if buf.shape[0] > 16:
-      # buf[bi, :, ..., index]: the advanced indices are split by slices, so the indexed view
+    if nb > 16:
+      # buf[at0, :, ..., index]: the advanced indices are split by slices, so the indexed view
       # is [B, <the other dims in order>] = rows without `axis`.
-      at = lead + (jnp.arange(buf.shape[0]),) + (slice(None),) * (axis - 1) + (index,)
+      at = lead + (at0,) + (slice(None),) * (axis - 1) + (index,)
       return target.at[at].set(jnp.squeeze(rows, axis))
-    for b in range(buf.shape[0]):
+    for b in range(nb):
       start = [0] * buf.ndim
-      start[0], start[axis] = b, index[b]
+      start[0], start[axis] = at0[b], index[b]
       update = rows[b:b + 1][(None,) * len(lead)]  # [1, ...] (one more 1 per lead index)
       target = lax.dynamic_update_slice(target, update, list(lead) + start)
     return target
@@ -358,25 +388,37 @@ def append(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
   ok = cache.length < c
   slot = jnp.minimum(cache.length, c - 1)  # full: the newest token takes the last slot
   kn, vn = k_new[:, :, 0], v_new[:, :, 0]  # [B, Hkv, D]
-  k_raw = write_rows(cache.k_raw, kn, slot)
+  if cache.paged:  # the row goes to offset `at` of page `page` (module doc "Paged")
+    span = cache.page_size
+    page, at = pages.locate(cache.table, slot, span)
+  else:
+    span, page, at = c, None, slot
+  k_raw = write_rows(cache.k_raw, kn, at, at0=page)
   bounds_raw = cache.bounds_raw
   if cs > 0:
     # The chunk's min / max recomputed from its (at most chunk_size) rows of the updated keys:
     # no read of the bounds before their write, so XLA updates them in place too.
-    ci = slot // cs
-    width = min(cs, c)
-    start = jnp.minimum(ci * cs, c - width)
-    rows = from_storage(jnp.stack([lax.dynamic_slice_in_dim(k_raw[b], start[b], width, axis=1)
-                                   for b in range(k_raw.shape[0])]), cache.dtype)  # [B,Hkv,w,D]
+    ci = at // cs
+    width = min(cs, span)
+    start = jnp.minimum(ci * cs, span - width)
+    if page is None:
+      rows = [lax.dynamic_slice_in_dim(k_raw[b], start[b], width, axis=1)
+              for b in range(k_raw.shape[0])]
+    else:
+      h, d = k_raw.shape[1], k_raw.shape[3]
+      rows = [lax.dynamic_slice(k_raw, (page[b], 0, start[b], 0), (1, h, width, d))[0]
+              for b in range(kn.shape[0])]
+    rows = from_storage(jnp.stack(rows), cache.dtype)  # [B, Hkv, w, D]
     j = start[:, None] + jnp.arange(width)
-    in_chunk = ((j >= ci[:, None] * cs) & (j <= slot[:, None]))[:, None, :, None]
+    in_chunk = ((j >= ci[:, None] * cs) & (j <= at[:, None]))[:, None, :, None]
     big = jnp.asarray(jnp.finfo(cache.dtype).max, cache.dtype)
     col = jnp.min(jnp.where(in_chunk, rows, big), axis=2)
     if cs > 1:  # chunk_size 1 keeps one copy (module doc)
       col = jnp.concatenate([col, jnp.max(jnp.where(in_chunk, rows, -big), axis=2)], axis=-1)
-    bounds_raw = write_rows(bounds_raw, col, ci, axis=3)  # column ci of [B, Hkv, 2D | D, NC]
+    # column ci of [B, Hkv, 2D | D, NC] (of the page's [N, Hkv, 2D | D, P / cs])
+    bounds_raw = write_rows(bounds_raw, col, ci, axis=3, at0=page)
   seen = jnp.broadcast_to(cache.seen[:, None], cache.pos.shape[:2])
-  return cache.replace(k_raw=k_raw, v_raw=write_rows(cache.v_raw, vn, slot),
+  return cache.replace(k_raw=k_raw, v_raw=write_rows(cache.v_raw, vn, at, at0=page),
                        bounds_raw=bounds_raw, pos=write_rows(cache.pos, seen, slot),
                        length=cache.length + ok.astype(jnp.int32), seen=cache.seen + 1,
                        overflow=cache.overflow | ~ok)
@@ -387,6 +429,7 @@ def extend(cache: KVCache, k: jax.Array, v: jax.Array,
   """Appends a block of tokens `k, v [B, Hkv, T, D]`, `lengths[b]` of them valid, and rebuilds
   the summaries. Used between turns (not on the per-token hot path). Overflowing tokens are
   dropped and flag `overflow[b]`."""
+  require(not cache.paged, "extend needs a contiguous cache, got a paged one")
   b, h, t, d = k.shape
   require(k.shape == v.shape and k.shape[:2] == cache.k.shape[:2] and d == cache.k.shape[3],
           f"k, v must have shape [B, Hkv, T, D] matching the cache {cache.k.shape}, "
@@ -421,6 +464,7 @@ def extend(cache: KVCache, k: jax.Array, v: jax.Array,
 
 def grow(cache: KVCache, capacity: int, chunk_size: int | None = None) -> KVCache:
   """The same cache with `capacity` slots (>= its current capacity)."""
+  require(not cache.paged, "grow needs a contiguous cache, got a paged one")
   require(capacity >= cache.capacity,
           f"capacity must be >= the current capacity {cache.capacity}, got {capacity}")
   chunk_size = cache.chunk_size if chunk_size is None else chunk_size

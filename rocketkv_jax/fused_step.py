@@ -8,7 +8,7 @@ the variant's own unfused select-then-attend. Under `impl="auto"` or `"pallas"` 
 selection + attention) instead of the chain; on TPU the chain runs with the TPU kernels
 (`_impl`); `impl="xla"` and every other platform under "auto" run the XLA chain.
 Caches the fused kernels do not take (a sliding window, a head dim that is not a power of two
->= 16) run the chain with the same `impl`.
+>= 16) run the chain with the same `impl`; a paged cache runs the XLA chain.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ def select_attend(q: jax.Array, cache: KVCache, plan, chain: Callable[[str], jax
   check_query(q, cache)
   check_chunks(cache, plan.chunk_size)
   _impl.check(impl)
+  if cache.paged:
+    return chain(_impl.for_pages(impl))
   if impl == "xla" or sliding_window is not None or not _fusable(cache.k.shape[-1]):
     return chain(impl)
 
@@ -55,6 +57,8 @@ def quant_attend(q: jax.Array, state, plan, chain: Callable[[str], jax.Array], *
   dtype."""
   _impl.check(impl)
   cache = state.cache
+  if cache.paged:
+    return chain(_impl.for_pages(impl))
   if impl == "xla" or sliding_window is not None or not _fusable(cache.k.shape[-1]):
     return chain(impl)
   check_query(q, cache)

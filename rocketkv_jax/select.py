@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from rocketkv_jax import _impl
+from rocketkv_jax import _impl, pages
 from rocketkv_jax._checks import group_size, require, require_layout, require_rank
-from rocketkv_jax.cache import KVCache, bounds_of, two_sided, valid_slots
+from rocketkv_jax.cache import KVCache, bounds_of, from_storage, two_sided, valid_slots
 from rocketkv_jax.ops import (bound_rows_and_query, chunk_valid, group_queries,
                               group_softmax_sum, sink_recent_indices)
 
@@ -42,13 +42,29 @@ def approx_bounds_scores_xla(q: jax.Array, bounds: jax.Array, length: jax.Array,
   Returns:
     [B, Hkv, NC] float32 group-summed softmax scores; 0 for chunks with no valid slot.
   """
-  hkv, nc = bounds.shape[1], bounds.shape[3]
+  read = lambda rows: jnp.take_along_axis(bounds, rows[..., None], axis=2)
+  return _approx_scores(q, read, bounds.shape[1], bounds.shape[3], two_sided(bounds, q.shape[2]),
+                        length, chunk_size, r, group_dims)
+
+
+def paged_approx_scores_xla(q: jax.Array, cache: KVCache, r: int,
+                            group_dims: str = "sum") -> jax.Array:
+  """`approx_bounds_scores_xla` on a paged cache: the r rows read from every page of each
+  sequence (`pages.gather_cols`), the same bytes as the contiguous read."""
+  raw = cache.bounds_raw
+  read = lambda rows: from_storage(pages.gather_cols(raw, cache.table, rows), cache.dtype)
+  return _approx_scores(q, read, raw.shape[1], cache.num_chunks, two_sided(raw, q.shape[2]),
+                        cache.length, cache.chunk_size, r, group_dims)
+
+
+def _approx_scores(q, read, hkv, nc, two, length, chunk_size, r, group_dims):
+  """Steps 1-3 of the module doc; `read(rows [B, Hkv, r]) -> [B, Hkv, r, NC]` summary rows."""
   qg = group_queries(q, hkv).astype(jnp.float32)
   # [B, Hkv, r] rows of bounds, [B, Hkv, G, r]
-  _, rows, q_r = bound_rows_and_query(qg, r, two_sided(bounds, q.shape[2]), group_dims)
+  _, rows, q_r = bound_rows_and_query(qg, r, two, group_dims)
   # The gathered rows in fp32 (the convert fuses into the gather): XLA:CPU has no bf16 x bf16
   # -> f32 kernel for every dot shape.
-  k_r = jnp.take_along_axis(bounds, rows[..., None], axis=2).astype(jnp.float32)  # [B,Hkv,r,NC]
+  k_r = read(rows).astype(jnp.float32)  # [B, Hkv, r, NC]
   logits = jnp.einsum("bhgr,bhrc->bhgc", q_r, k_r)
   return group_softmax_sum(logits, chunk_valid(length, nc, chunk_size))
 
@@ -201,6 +217,9 @@ def check_chunks(cache: KVCache, chunk_size: int) -> None:
 def approx_scores(q: jax.Array, cache: KVCache, r: int, *, group_dims: str = "sum",
                   impl: str = "auto") -> jax.Array:
   """RocketKV / SparQ chunk scores `[B, Hkv, NC]` of the cache's summaries (kernel or XLA)."""
+  if cache.paged:
+    _impl.for_pages(impl)
+    return paged_approx_scores_xla(q, cache, r, group_dims)
   return _impl.dispatch(
       impl, lambda: approx_bounds_scores_xla(q, cache.bounds, cache.length, cache.chunk_size, r,
                                              group_dims),

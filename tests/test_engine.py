@@ -238,3 +238,67 @@ def test_prefill_tokens_per_step_interleaves_admissions_with_decoding():
   assert [h.result().token_ids for h in handles] == [o.token_ids for o in alone]
   with pytest.raises(ValueError, match="prefill_tokens_per_step"):
     EngineConfig(rc, prefill_tokens_per_step=0)
+
+
+# ---------------------------------------------------------------- the paged pool
+@pytest.mark.parametrize("name", ["full", "snapkv", "rocketkv", "recommended"])
+def test_paged_pool_equals_generate(name):
+  """Pages of 16 tokens shared by 4 slots: every request's greedy tokens are `generate`'s, and
+  every page is free again once they end."""
+  model, rc = _model(), CONFIGS[name]
+  eng = _engine(model, rc, page_size=16)
+  assert eng.paged and eng.num_pages == 4 * eng.pages_per_seq + 1
+  assert eng.pages_per_seq * eng.page_size >= eng.plan.capacity
+  prompts = _prompts()
+  outs = eng.generate(prompts, GREEDY)
+  for p, o in zip(prompts, outs):
+    assert o.token_ids == _reference(model, eng, rc, p, GREEDY.max_tokens)
+  assert eng.stats().kv_cache_usage == 0.0
+  eng.step()  # releases the last slots' pages
+  assert sorted(eng._free_pages) == list(range(1, eng.num_pages))
+  assert eng.num_programs <= len(eng.buckets) + 3  # + the release program
+
+
+def test_paged_gemma3_hybrid_layers():
+  """Gemma 3's sliding layers keep per-slot window caches beside the global layers' pages."""
+  model, rc = _model("gemma3"), CONFIGS["recommended"]
+  eng = _engine(model, rc, max_model_len=200, max_new_tokens=40, max_num_seqs=2, page_size=16)
+  assert any(eng.sliding_groups) and not all(eng.sliding_groups)
+  prompts = _prompts((7, 90, 150))
+  outs = eng.generate(prompts, GREEDY)
+  for p, o in zip(prompts, outs):
+    assert o.token_ids == _reference(model, eng, rc, p, GREEDY.max_tokens)
+
+
+def test_paged_admission_waits_for_pages():
+  """A pool of one long request's pages: two long requests run one after the other, short
+  ones share it; all answers are `generate`'s, and the pool never hands out a page twice."""
+  model, rc = _model(), CONFIGS["full"]
+  probe = _engine(model, rc, page_size=16)
+  mb = (probe.slot_fixed_bytes * 4 + probe.page_bytes * (probe.pages_per_seq + 1)) / 2**20
+  eng = _engine(model, rc, page_size=16, kv_cache_mb=mb)
+  assert eng.num_pages - 1 == eng.pages_per_seq
+  long_p, short_p = _prompts((200, 220), seed=1), _prompts((20, 30, 40), seed=2)
+  params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+  assert all(eng.pages_needed(len(p), 12) > eng.pages_per_seq // 2 for p in long_p)
+  assert sum(eng.pages_needed(len(p), 12) for p in short_p) <= eng.pages_per_seq
+  handles = [eng.add_request(p, params) for p in long_p + short_p]
+  running = []
+  while eng.has_work():
+    eng.step()
+    running.append(eng.stats().num_running)
+    held = [p for pages in eng._slot_pages for p in pages]
+    assert len(held) == len(set(held)) and not set(held) & set(eng._free_pages)
+  assert max(running) == 3  # the three short ones together; the long ones alone
+  for p, h in zip(long_p + short_p, handles):
+    assert h.result().token_ids == _reference(model, eng, rc, p, 12)
+
+
+def test_paged_config_errors():
+  model = _model()
+  with pytest.raises(ValueError, match="page_size must be None or an int >= 1"):
+    EngineConfig(CONFIGS["full"], page_size=0)
+  with pytest.raises(ValueError, match="impl must be 'auto' or 'xla' with page_size"):
+    EngineConfig(CONFIGS["full"], page_size=16, impl="pallas")
+  with pytest.raises(ValueError, match="kv_cache_mb must hold the 4 slots"):
+    _engine(model, CONFIGS["full"], page_size=16, kv_cache_mb=0.01)

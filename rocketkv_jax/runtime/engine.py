@@ -45,11 +45,15 @@ from rocketkv_jax.config import RocketConfig, check_num_layers
 from rocketkv_jax.config import plan as make_plan
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.api import as_model
-from rocketkv_jax.runtime import decode_loop, engine_programs as programs
+from rocketkv_jax.runtime import decode_loop, engine_programs as programs, paged_pool
 from rocketkv_jax.runtime.requests import Output, Request, RequestHandle, SamplingParams
 
 __all__ = ["Engine", "EngineClosed", "EngineConfig", "EngineStats", "Output", "QueueFull",
            "RequestHandle", "SamplingParams"]
+
+
+def _nbytes(tree) -> int:
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 class QueueFull(RuntimeError):
@@ -78,6 +82,11 @@ class EngineConfig:
     prefill_tokens_per_step: admissions of one step stop once their prompts reach this many
       tokens (at least one request is admitted): the running requests then decode before the
       next prefills. None: every free slot is filled first (best time to first token).
+    page_size: None: each slot reserves its plan's whole capacity (the slots are the unit of
+      memory). An int P: a paged pool (`paged_pool.py`): K, V and the method's summaries
+      live in pages of about P tokens (rounded up to whole chunks / code bytes) shared by the
+      `max_num_seqs` slots; a request holds the pages of its kept prompt tokens + max_tokens,
+      taken when it is admitted (it waits until they are free) and returned when it ends.
     min_bucket: the smallest prompt length bucket (a power of two).
     block_size: prefill attention tile.
     impl: "auto" | "xla" | "pallas" for the KV method's hot path.
@@ -91,6 +100,7 @@ class EngineConfig:
   max_waiting: int = 256
   steps_per_call: int = 1
   prefill_tokens_per_step: int | None = None
+  page_size: int | None = None
   min_bucket: int = 64
   block_size: int = 512
   impl: str = "auto"
@@ -112,6 +122,13 @@ class EngineConfig:
         or not isinstance(self.prefill_tokens_per_step, int) or self.prefill_tokens_per_step < 1):
       raise ValueError(f"prefill_tokens_per_step must be None or an int >= 1, got "
                        f"{self.prefill_tokens_per_step!r}")
+    if self.page_size is not None and (isinstance(self.page_size, bool)
+                                       or not isinstance(self.page_size, int)
+                                       or self.page_size < 1):
+      raise ValueError(f"page_size must be None or an int >= 1, got {self.page_size!r}")
+    if self.page_size is not None and self.impl not in ("auto", "xla"):
+      raise ValueError(f"impl must be 'auto' or 'xla' with page_size (the kernels read "
+                       f"contiguous caches), got {self.impl!r}")
     if self.min_bucket & (self.min_bucket - 1):
       raise ValueError(f"min_bucket must be a power of two, got {self.min_bucket}")
     if self.kv_cache_mb is not None and not (isinstance(self.kv_cache_mb, (int, float))
@@ -130,8 +147,8 @@ class EngineStats:
   num_running: int
   num_waiting: int
   num_slots: int
-  kv_cache_usage: float  # 0-1: tokens held by running requests / the pool's token capacity
-  slot_bytes: int  # one slot's KV state
+  kv_cache_usage: float  # 0-1: tokens (paged: pages) held by running requests / the pool's
+  slot_bytes: int  # one slot's KV state (paged: one request of the plan's capacity)
   prompt_tokens_total: int
   generation_tokens_total: int
   requests_finished_total: int
@@ -163,9 +180,33 @@ class Engine:
     one = (jnp.zeros((1, self.buckets[0]), jnp.int32), jnp.ones((1,), jnp.int32))
     row = jax.eval_shape(functools.partial(programs._prefill, block_size=config.block_size,
                                            **self._static), model.params, *one)[1]
-    self.slot_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(row))
+    self.slot_bytes = _nbytes(row)
+    self.sliding_groups = tuple(any(i in mc.window_layers for i in range(lo, hi))
+                                for lo, hi in row.spans)
+    self.paged = config.page_size is not None
     slots = config.max_num_seqs
-    if config.kv_cache_mb is not None:
+    if self.paged:
+      paged_pool.check_pageable(row, self.sliding_groups)
+      self.page_size = paged_pool.page_tokens(self.plan, config.page_size)
+      self.pages_per_seq = -(-self.plan.capacity // self.page_size)
+      pool = lambda s, n: _nbytes(jax.eval_shape(
+          lambda r: paged_pool.empty_pool(r, s, n, self.page_size, self.pages_per_seq,
+                                          self.sliding_groups), row))
+      self.page_bytes = pool(1, 2) - pool(1, 1)
+      self.slot_fixed_bytes = pool(2, 1) - pool(1, 1)
+      self.slot_bytes = self.slot_fixed_bytes + self.pages_per_seq * self.page_bytes
+      if config.kv_cache_mb is None:
+        num_pages = slots * self.pages_per_seq + 1
+      else:
+        num_pages = int((config.kv_cache_mb * 2**20 - (pool(slots, 1) - self.page_bytes))
+                        // self.page_bytes)
+        if num_pages - 1 < self.pages_per_seq:
+          raise ValueError(
+              f"kv_cache_mb must hold the {slots} slots (max_num_seqs) and one request of the "
+              f"plan's capacity ({pool(slots, self.pages_per_seq + 1) / 2**20:.2f} MiB), got "
+              f"{config.kv_cache_mb}")
+      self.num_pages = num_pages  # page 0 is the scratch page (paged_pool.SCRATCH)
+    elif config.kv_cache_mb is not None:
       fit = int(config.kv_cache_mb * 2**20 // self.slot_bytes)
       if fit < 1:
         raise ValueError(f"kv_cache_mb must hold one request's KV state "
@@ -192,8 +233,18 @@ class Engine:
     self._seed = np.zeros(slots, np.uint32)
     self._min_tokens = np.zeros(slots, np.int32)
     self._held = np.zeros(slots, np.int64)  # tokens each slot's request holds (usage)
-    self.state = self._program("init", programs.init_program, (), model.params, *one,
-                               slots=slots, block_size=config.block_size)(model.params, *one)
+    if self.paged:
+      self._free_pages = list(range(1, self.num_pages))  # free page ids (0: scratch)
+      self._slot_pages: list[list[int]] = [[] for _ in range(slots)]
+      self._released: list[int] = []  # pages of ended requests, free once their slots release
+      self._release_mask = np.zeros(slots, bool)
+      self.state = self._program(
+          "init", programs.init_paged_program, (), model.params, *one, slots=slots,
+          num_pages=self.num_pages, page_size=self.page_size, pages_per_seq=self.pages_per_seq,
+          sliding_groups=self.sliding_groups, block_size=config.block_size)(model.params, *one)
+    else:
+      self.state = self._program("init", programs.init_program, (), model.params, *one,
+                                 slots=slots, block_size=config.block_size)(model.params, *one)
 
   # ------------------------------------------------------------------ programs
   def _buckets(self) -> tuple[int, ...]:
@@ -221,9 +272,12 @@ class Engine:
       self._counters["programs"] += 1
     return self._exes[sig]
 
-  def _admit_args(self, tokens, length, slot, p: SamplingParams, seed: int):
+  def _admit_args(self, tokens, length, slot, p: SamplingParams, seed: int, page_ids=None):
+    paged = () if not self.paged else (
+        np.full(self.pages_per_seq, self.num_pages, np.int32) if page_ids is None
+        else page_ids,)
     return (self.model.params, self.state, tokens, np.array([length], np.int32),
-            np.int32(slot), np.array([p.temperature], np.float32),
+            np.int32(slot), *paged, np.array([p.temperature], np.float32),
             np.array([p.top_p], np.float32), np.array([seed], np.uint32),
             np.array([p.min_tokens], np.int32), self._eos)
 
@@ -232,8 +286,16 @@ class Engine:
             self._top_p, self._seed, self._min_tokens, self._eos)
 
   def _admit_exe(self, bucket: int, args):
+    if self.paged:
+      return self._program(f"admit{bucket}", programs.admit_paged_program, (1,), *args,
+                           sliding_groups=self.sliding_groups,
+                           block_size=self.config.block_size)
     return self._program(f"admit{bucket}", programs.admit_program, (1,), *args,
                          block_size=self.config.block_size)
+
+  def _release_exe(self, args):
+    return self._program("release", programs.release_program, (0,), *args,
+                         sliding_groups=self.sliding_groups)
 
   def _decode_exe(self, args):
     return self._program("decode", programs.decode_program, (1,), *args,
@@ -247,6 +309,8 @@ class Engine:
       self._admit_exe(b, self._admit_args(np.zeros((1, b), np.int32), 1, 0, SamplingParams(),
                                           0))
     self._decode_exe(self._decode_args())
+    if self.paged:
+      self._release_exe((self.state, self._release_mask))
     return self._counters["compile_s"] - t0
 
   @property
@@ -338,10 +402,13 @@ class Engine:
   def stats(self) -> EngineStats:
     with self._lock:
       running = [r for r in self._slots if r is not None]
-      held = int(self._held.sum())
+      if self.paged:
+        usage = sum(map(len, self._slot_pages)) / (self.num_pages - 1)
+      else:
+        usage = int(self._held.sum()) / (self.num_slots * self.plan.capacity)
       return EngineStats(
           num_running=len(running), num_waiting=len(self._waiting), num_slots=self.num_slots,
-          kv_cache_usage=held / (self.num_slots * self.plan.capacity),
+          kv_cache_usage=usage,
           slot_bytes=int(self.slot_bytes),
           prompt_tokens_total=int(self._counters["prompt_tokens"]),
           generation_tokens_total=int(self._counters["generation_tokens"]),
@@ -358,20 +425,53 @@ class Engine:
     """One iteration: drop cancelled requests, admit waiting ones into free slots (prefill),
     then one decode call over the slots if any is busy."""
     self._reap()
+    self._release()
     prefilled, limit = 0, self.config.prefill_tokens_per_step
     while limit is None or prefilled < limit:
       with self._lock:
         free = [i for i, r in enumerate(self._slots) if r is None]
         if not free or not self._waiting:
           break
-        req = self._waiting.popleft()
+        req = self._waiting[0]
         if req.aborted.is_set():
+          self._waiting.popleft()
           self._end(req, "abort")
           continue
-      self._admit(req, free[0])
+        page_ids = None
+        if self.paged:  # first come, first served: the head waits until its pages are free
+          need = self.pages_needed(len(req.prompt_ids), req.params.max_tokens)
+          if need > len(self._free_pages):
+            break
+          self._slot_pages[free[0]] = taken = self._free_pages[:need]
+          del self._free_pages[:need]
+          self._release_mask[free[0]] = False  # the admission rewrites the slot's table
+          page_ids = np.full(self.pages_per_seq, self.num_pages, np.int32)
+          page_ids[:need] = taken
+        self._waiting.popleft()
+      self._admit(req, free[0], page_ids)
       prefilled += len(req.prompt_ids)
     if any(r is not None for r in self._slots):
       self._decode()
+
+  def pages_needed(self, prompt_len: int, max_tokens: int) -> int:
+    """Pages a request takes in a paged pool: its kept prompt tokens + max_tokens."""
+    return min(self.pages_per_seq, -(-(self._kept(prompt_len) + max_tokens) // self.page_size))
+
+  def _release(self) -> None:
+    """Points the tables of the slots freed since the last call at the scratch page, then
+    returns their pages to the free list (an idle slot keeps decoding: its writes must not
+    reach a page another request owns)."""
+    if not self.paged:
+      return
+    with self._lock:
+      mask = self._release_mask.copy()
+    if mask.any():
+      args = (self.state, mask)
+      self.state = self._release_exe(args)(*args)
+    with self._lock:
+      self._release_mask[mask] = False
+      self._free_pages += self._released
+      self._released = []
 
   def _reap(self) -> None:
     with self._lock:
@@ -382,13 +482,13 @@ class Engine:
         if req is not None and req.aborted.is_set():
           self._free(i, "abort")
 
-  def _admit(self, req: Request, slot: int) -> None:
+  def _admit(self, req: Request, slot: int, page_ids=None) -> None:
     n = len(req.prompt_ids)
     bucket = next(b for b in self.buckets if b >= n)
     tokens = np.zeros((1, bucket), np.int32)
     tokens[0, :n] = req.prompt_ids
     seed = req.params.seed if req.params.seed is not None else zlib.crc32(req.id.encode())
-    args = self._admit_args(tokens, n, slot, req.params, seed)
+    args = self._admit_args(tokens, n, slot, req.params, seed, page_ids)
     try:
       exe = self._admit_exe(bucket, args)
       t0 = time.perf_counter()
@@ -397,6 +497,9 @@ class Engine:
       self._counters["prefill_s"] += time.perf_counter() - t0
     except Exception as e:  # pylint: disable=broad-except
       with self._lock:
+        if self.paged:  # the pages were never written into the slot's table
+          self._free_pages += self._slot_pages[slot]
+          self._slot_pages[slot] = []
         self._end(req, "error", f"prefill failed: {type(e).__name__}: {e}")
       raise
     with self._lock:
@@ -433,14 +536,18 @@ class Engine:
         if req.finished:
           self._free(i, req.finish_reason)
 
-  def _free(self, slot: int, reason: str) -> None:
+  def _free(self, slot: int, reason: str, error: str | None = None) -> None:
     """(lock held) Ends the slot's request and frees the slot."""
     req = self._slots[slot]
     self._slots[slot] = None
     self._held[slot] = 0
+    if self.paged and self._slot_pages[slot]:
+      self._released += self._slot_pages[slot]
+      self._slot_pages[slot] = []
+      self._release_mask[slot] = True
     self._temp[slot] = 0.0  # an idle slot decodes greedily
     if req is not None:
-      self._end(req, reason)
+      self._end(req, reason, error)
 
   def _end(self, req: Request, reason: str, error: str | None = None) -> None:
     """(lock held) Finishes `req` and forgets it."""
@@ -472,8 +579,7 @@ class Engine:
     with self._lock:
       for i, r in enumerate(self._slots):
         if r is not None:
-          self._slots[i] = None
-          self._end(r, "error", message)
+          self._free(i, "error", message)
       self._held[:] = 0
       while self._waiting:
         self._end(self._waiting.popleft(), "error", message)

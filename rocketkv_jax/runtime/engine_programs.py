@@ -22,6 +22,7 @@ from jax import lax
 
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.precision import compute_params
+from rocketkv_jax.runtime import paged_pool
 
 
 def sample_rows(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, keys: jax.Array,
@@ -105,6 +106,30 @@ def admit_program(params, state, tokens, lengths, slot, temperature, top_p, seed
   first = sample_rows(logits, temperature, top_p, _keys(seed, zero),
                       _ban(eos, zero, min_tokens, logits.shape[-1]))
   return first, write_row(state, row, slot)
+
+
+def init_paged_program(params, tokens, lengths, *, config, plan, slots, num_pages, page_size,
+                       pages_per_seq, sliding_groups, block_size, impl):
+  """The initial paged pool (`paged_pool.empty_pool`) around a one-token prompt's state."""
+  _, row = _prefill(params, tokens, lengths, config=config, plan=plan, block_size=block_size,
+                    impl=impl)
+  return paged_pool.empty_pool(row, slots, num_pages, page_size, pages_per_seq, sliding_groups)
+
+
+def admit_paged_program(params, state, tokens, lengths, slot, page_ids, temperature, top_p, seed,
+                        min_tokens, eos, *, config, plan, sliding_groups, block_size, impl):
+  """`admit_program` into a paged pool: the request's rows go to pages `page_ids [NP]`."""
+  logits, row = _prefill(params, tokens, lengths, config=config, plan=plan,
+                         block_size=block_size, impl=impl)
+  zero = jnp.zeros((1,), jnp.int32)
+  first = sample_rows(logits, temperature, top_p, _keys(seed, zero),
+                      _ban(eos, zero, min_tokens, logits.shape[-1]))
+  return first, paged_pool.write_request(state, row, slot, page_ids, sliding_groups)
+
+
+def release_program(state, free, *, sliding_groups, **_):
+  """The slots where `free [S]` holds lose their pages (`paged_pool.release`)."""
+  return paged_pool.release(state, free, sliding_groups)
 
 
 def decode_program(params, state, last, positions, n_generated, temperature, top_p, seed,

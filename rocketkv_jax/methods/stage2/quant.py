@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from rocketkv_jax import _impl, fused_step
+from rocketkv_jax import _impl, fused_step, pages
 from rocketkv_jax._checks import require
 from rocketkv_jax.budget import Plan
-from rocketkv_jax.cache import CacheState, KVCache, valid_slots, write_rows
+from rocketkv_jax.cache import CacheState, KVCache, from_storage, valid_slots, write_rows
 from rocketkv_jax.attend import attend
 from rocketkv_jax.methods.stage2.base import Stage2
 from rocketkv_jax.ops import CODE_BITS, coded_query, group_queries, group_sum, masked_softmax
@@ -35,7 +35,8 @@ class QuantState(CacheState):
 
   Attributes:
     cache: the `KVCache` (no min/max summaries: its chunk_size is 0).
-    codes: [B, Hkv, D, ceil(C / per)] uint8 packed codes, dim-major (module doc).
+    codes: [B, Hkv, D, ceil(C / per)] uint8 packed codes, dim-major (module doc); with a
+      paged cache, pages [N, Hkv, D, P / per] of the cache's table, each page packed alone.
     lo: [B, Hkv, D] float32 per-channel grid origin.
     step: [B, Hkv, D] float32 per-channel grid step (> 0).
     v_sum: [B, Hkv, D] float32 sum of the valid slots' values (`Quant.mean_value`), or
@@ -208,10 +209,18 @@ def append_codes(state: QuantState, new: KVCache) -> QuantState:
   c = new.capacity
   slot = jnp.minimum(state.cache.length, c - 1)  # where append wrote (the last slot when full)
   nb = state.codes.shape[3]
-  byte = slot % nb
-  group = byte[:, None] + jnp.arange(per) * nb  # [B, per] slots of that byte
-  idx = jnp.minimum(group, c - 1)[:, None, :, None]
-  rows = jnp.take_along_axis(new.k, idx, axis=2)  # [B, Hkv, per, D]
+  if new.paged:  # the byte of the slot's page (codes packed per page)
+    page, at = pages.locate(new.table, slot, new.page_size)
+  else:
+    page, at = None, slot
+  byte = at % nb
+  group = (slot - at + byte)[:, None] + jnp.arange(per) * nb  # [B, per] slots of that byte
+  idx = jnp.minimum(group, c - 1)[:, None, :]  # [B, 1, per]
+  if new.paged:
+    idx = jnp.broadcast_to(idx, (idx.shape[0], state.codes.shape[1], per))
+    rows = from_storage(pages.gather_slots(new.k_raw, new.table, idx, new.page_size), new.dtype)
+  else:
+    rows = jnp.take_along_axis(new.k, idx[..., None], axis=2)  # [B, Hkv, per, D]
   ok = ((group <= slot[:, None]) & (group < c))[:, None, :]
   col = pack(_coded(rows, jnp.broadcast_to(ok, rows.shape[:3]), state.lo, state.step, bits),
              bits)[..., 0]  # [B, Hkv, D]
@@ -222,7 +231,7 @@ def append_codes(state: QuantState, new: KVCache) -> QuantState:
     came = jnp.take_along_axis(new.v, at, axis=2)[:, :, 0].astype(jnp.float32)
     full = (state.cache.length >= c)[:, None, None]
     v_sum = v_sum + came - jnp.where(full, gone, 0.0)
-  return state.replace(cache=new, codes=write_rows(state.codes, col, byte, axis=3),
+  return state.replace(cache=new, codes=write_rows(state.codes, col, byte, axis=3, at0=page),
                        v_sum=v_sum)
 
 
@@ -247,9 +256,16 @@ def slot_logits_xla(q: jax.Array, state: QuantState, r: int,
   cache = state.cache
   hkv, c = cache.k_raw.shape[1], cache.capacity
   ridx, qs = coded_query(group_queries(q, hkv).astype(jnp.float32), state.step, r, group_dims)
-  rows = jnp.take_along_axis(state.codes, ridx[..., None], axis=2)  # [B, Hkv, r, Nb] uint8
+  if cache.paged:  # [B, Hkv, r, NP * Nbp]: each page's bytes in turn
+    rows = pages.gather_cols(state.codes, cache.table, ridx)
+  else:
+    rows = jnp.take_along_axis(state.codes, ridx[..., None], axis=2)  # [B, Hkv, r, Nb] uint8
   fused = 2 <= state.per_byte and r * state.per_byte <= FUSED_TERMS_MAX
   logits = (_fused_logits if fused else _plane_products)(qs, rows, state.bits)
+  if cache.paged:  # per page: its planes in turn (slot i of a page: plane i // Nbp)
+    npg = cache.table.shape[-1]
+    per_page = [x.reshape(*x.shape[:-1], npg, -1) for x in logits]  # [B, Hkv, G, NP, Nbp]
+    return jnp.stack(per_page, axis=-2).reshape(*logits[0].shape[:-1], c)
   return jnp.concatenate(logits, axis=-1)[..., :c]
 
 
@@ -275,6 +291,9 @@ def slot_logits(q: jax.Array, state: QuantState, r: int, *, group_dims: str = "s
                 impl: str = "auto") -> jax.Array:
   """`slot_logits_xla`, or a Pallas kernel as `impl` picks: `kernels.quant_slot_logits` on a
   GPU, `kernels.tpu_quant_slot_logits` on TPU."""
+  if state.cache.paged:
+    _impl.for_pages(impl)
+    return slot_logits_xla(q, state, r, group_dims)
   return _impl.dispatch(impl, lambda: slot_logits_xla(q, state, r, group_dims),
                         "quant_slot_logits", q, state.codes, state.step, r=r, bits=state.bits,
                         capacity=state.cache.capacity, group_dims=group_dims,

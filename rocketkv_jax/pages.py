@@ -1,0 +1,70 @@
+"""Paged storage: a pool of fixed-size pages and the page tables that map a sequence onto them.
+
+A paged buffer holds `[N, H, P, X]`: N pages of P slots (pages on the leading axis, the unit a
+TPU kernel would DMA), and a sequence b's logical slot s lives at page `table[b, s // P]`,
+offset `s % P`, `table [B, NP]` int32 (NP = pages per sequence, so its logical capacity is
+NP * P). Summary buffers keep their own layout per page, `[N, H, R, W]` with W columns per page
+(chunk summaries: W = P / chunk; packed key codes: W = P / codes per byte).
+
+These are the index rules only (no cache semantics): `KVCache` (cache.py) stores K / V and the
+chunk summaries in pages when it has a table, and the stage-2 variants read through them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def locate(table: jax.Array, slot: jax.Array, page_size: int):
+  """(page [B], offset [B]) of logical slot `slot [B]` of each sequence; `table [B, NP]`."""
+  b = table.shape[0]
+  p = jnp.clip(slot // page_size, 0, table.shape[1] - 1)
+  return table[jnp.arange(b), p], slot - p * page_size
+
+
+def logical(buf: jax.Array, table: jax.Array) -> jax.Array:
+  """The sequences' slots in order: `buf [N, H, P, X]` -> `[B, H, NP * P, X]` (a gather)."""
+  g = buf[table]  # [B, NP, H, P, X]
+  b, npg, h, p, x = g.shape
+  return jnp.swapaxes(g, 1, 2).reshape(b, h, npg * p, x)
+
+
+def logical_cols(buf: jax.Array, table: jax.Array) -> jax.Array:
+  """Per-page columns in order: `buf [N, H, R, W]` -> `[B, H, R, NP * W]` (a gather)."""
+  g = buf[table]  # [B, NP, H, R, W]
+  b, npg, h, r, w = g.shape
+  return jnp.transpose(g, (0, 2, 3, 1, 4)).reshape(b, h, r, npg * w)
+
+
+def gather_slots(buf: jax.Array, table: jax.Array, idx: jax.Array, page_size: int) -> jax.Array:
+  """Rows `idx [B, H, K]` (logical slots, in range) of `buf [N, H, P, X]` -> `[B, H, K, X]`:
+  one gather that reads only those rows."""
+  page = jnp.take_along_axis(table[:, None, :], idx // page_size, axis=2)  # [B, H, K]
+  h = jnp.arange(buf.shape[1])[None, :, None]
+  return buf[page, h, idx % page_size]
+
+
+def gather_cols(buf: jax.Array, table: jax.Array, rows: jax.Array) -> jax.Array:
+  """Rows `rows [B, H, r]` of every page of each sequence: `buf [N, H, R, W]` ->
+  `[B, H, r, NP * W]` in logical column order (reads only those rows)."""
+  b, h, r = rows.shape
+  page = table[:, None, None, :]  # [B, 1, 1, NP]
+  g = buf[page, jnp.arange(h)[None, :, None, None], rows[..., None]]  # [B, H, r, NP, W]
+  return g.reshape(b, h, r, -1)
+
+
+def to_pages(x: jax.Array, page_size: int, num_pages: int, fill=0) -> jax.Array:
+  """One sequence's slots `x [H, C, X]` -> its pages `[num_pages, H, P, X]` (slots past C
+  padded with `fill`)."""
+  h, c, rest = x.shape[0], x.shape[1], x.shape[2:]
+  pad = num_pages * page_size - c
+  x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * len(rest), constant_values=fill)
+  return jnp.swapaxes(x.reshape(h, num_pages, page_size, *rest), 0, 1)
+
+
+def cols_to_pages(x: jax.Array, cols_per_page: int, num_pages: int) -> jax.Array:
+  """One sequence's columns `x [H, R, W']` -> `[num_pages, H, R, W]`, zero-padded."""
+  h, r, w = x.shape
+  x = jnp.pad(x, ((0, 0), (0, 0), (0, num_pages * cols_per_page - w)))
+  return jnp.moveaxis(x.reshape(h, r, num_pages, cols_per_page), 2, 0)
