@@ -6,8 +6,9 @@
 Both decode the same `--slots` prompts of `--prompt-len` tokens with the same plan (generate's
 `pad_to` = the engine's plan prompt length), greedy, no EOS. `generate` runs its whole decode as
 one on-device loop; the engine runs one compiled call of `--steps-per-call` steps per host
-round trip with every slot busy. Reported per method: ms per decode step of each (median over
-`--repeats` alternating runs) and their ratio (engine / generate).
+round trip with every slot busy. With `--page-size P` a paged engine (`EngineConfig.page_size`,
+the same plan and slots) runs beside them. Reported per method: ms per decode step of each
+(median over `--repeats` alternating runs) and their ratios to generate's.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def main(argv=None) -> int:
   ap.add_argument("--prefill-lengths", default="",
                   help="comma-separated prompt lengths: also time one admission (prefill) of "
                        "each, the longest stall of the running requests it causes")
+  ap.add_argument("--page-size", type=int, default=None,
+                  help="also time an engine with a paged pool of pages of this many tokens")
   ap.add_argument("--out", default="runs/engine_step")
   a = ap.parse_args(argv)
   try:
@@ -92,7 +95,8 @@ def main(argv=None) -> int:
   configs = _configs(a.budget)
   names = a.methods.split(",")
   bad = [n for n in names if n not in configs]
-  if bad or min(a.slots, a.prompt_len, a.new, a.repeats, a.steps_per_call) < 1:
+  if bad or min(a.slots, a.prompt_len, a.new, a.repeats, a.steps_per_call,
+                a.page_size or 1) < 1:
     print(f"error: --methods must be among {list(configs)} and sizes >= 1", file=sys.stderr)
     return 2
   model = rocketkv.models.load(path)
@@ -102,26 +106,35 @@ def main(argv=None) -> int:
   rows = []
   for name in names:
     rc = configs[name]
-    eng = Engine(model, EngineConfig(rc, max_model_len=a.prompt_len + 2 * a.new + 2,
-                                     max_new_tokens=a.new + 1, max_num_seqs=a.slots,
-                                     steps_per_call=a.steps_per_call))
-    eng_ms, gen_ms = [], []
-    for r in range(a.repeats + 1):  # the first round compiles both; not reported
+    cfg = dict(max_model_len=a.prompt_len + 2 * a.new + 2, max_new_tokens=a.new + 1,
+               max_num_seqs=a.slots, steps_per_call=a.steps_per_call)
+    eng = Engine(model, EngineConfig(rc, **cfg))
+    paged = Engine(model, EngineConfig(rc, page_size=a.page_size, **cfg)) if a.page_size else None
+    eng_ms, paged_ms, gen_ms = [], [], []
+    for r in range(a.repeats + 1):  # the first round compiles them; not reported
       e = _engine_ms(eng, prompts, a.new)
+      pg = _engine_ms(paged, prompts, a.new) if paged else None
       res = rocketkv.generate(model, prompts, rocket_config=rc, max_new_tokens=a.new + 1,
                               pad_to=eng.plan.prompt_len, eos_token_ids=())
       g = res.stats["decode_ms_per_token"]
       if r:
         eng_ms.append(e)
+        paged_ms.append(pg)
         gen_ms.append(g)
     row = dict(method=name, slots=a.slots, prompt_len=a.prompt_len, budget=a.budget,
                steps_per_call=a.steps_per_call, engine_ms=statistics.median(eng_ms),
                generate_ms=statistics.median(gen_ms), engine_runs=eng_ms, generate_runs=gen_ms)
     row["ratio"] = row["engine_ms"] / row["generate_ms"]
+    if paged:
+      row.update(page_size=paged.page_size, paged_ms=statistics.median(paged_ms),
+                 paged_runs=paged_ms)
+      row["paged_ratio"] = row["paged_ms"] / row["generate_ms"]
     row["admit_s"] = _admit_seconds(model, rc, a) if a.prefill_lengths else {}
     rows.append(row)
+    pg = (f"  paged (P={row['page_size']}) {row['paged_ms']:8.2f} ms/step  ratio "
+          f"{row['paged_ratio']:.3f}" if paged else "")
     print(f"{name:12s} engine {row['engine_ms']:8.2f} ms/step  generate "
-          f"{row['generate_ms']:8.2f} ms/step  ratio {row['ratio']:.3f}  admit (prefill) s "
+          f"{row['generate_ms']:8.2f} ms/step  ratio {row['ratio']:.3f}{pg}  admit (prefill) s "
           f"{row['admit_s']}", flush=True)
   os.makedirs(a.out, exist_ok=True)
   with open(os.path.join(a.out, "engine_step.json"), "w") as f:

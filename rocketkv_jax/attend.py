@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax import lax
+
 from rocketkv_jax import _impl, pages
 from rocketkv_jax._checks import require, require_layout, require_rank
 from rocketkv_jax.cache import KVCache, from_storage, valid_slots
@@ -18,23 +20,57 @@ def _softmax_combine(qg, k, v, valid, k_extra=None, v_extra=None):
   `k_extra, v_extra [B, Hkv, 1, D]`: one more (always valid) key / value, attended together
   with the others without concatenating it into k / v.
   """
-  d = qg.shape[-1]
-  scale = 1.0 / jnp.sqrt(jnp.float32(d))
-  def dot(k, q):  # [K, D] x [D, G] in [K, G] order: the layout XLA:CPU multiplies fastest
-    out = jnp.einsum("bhkd,bhgd->bhkg", k, q, preferred_element_type=jnp.float32)
-    return jnp.swapaxes(out, -1, -2)
-
-  extra = None if k_extra is None else dot(k_extra, qg.astype(k_extra.dtype)) * scale
-  return softmax_combine(dot(k, qg.astype(k.dtype)) * scale, valid, v, extra, v_extra)
+  scale = _scale(qg)
+  extra = None if k_extra is None else _dot(k_extra, qg.astype(k_extra.dtype)) * scale
+  return softmax_combine(_dot(k, qg.astype(k.dtype)) * scale, valid, v, extra, v_extra)
 
 
-def softmax_combine(logits, valid, v, extra=None, v_extra=None):
+def _scale(qg):
+  return 1.0 / jnp.sqrt(jnp.float32(qg.shape[-1]))
+
+
+def _dot(k, q):
+  """k [B, Hkv, K, D] x q [B, Hkv, G, D] -> [B, Hkv, G, K] float32, multiplied in [K, G] order
+  (the layout XLA:CPU multiplies fastest)."""
+  out = jnp.einsum("bhkd,bhgd->bhkg", k, q, preferred_element_type=jnp.float32)
+  return jnp.swapaxes(out, -1, -2)
+
+
+def _paged_softmax_combine(qg, cache: KVCache, valid, k_extra=None, v_extra=None):
+  """`_softmax_combine` over every slot of a paged cache, one page of each sequence at a time
+  (a loop over the NP page-table columns): no gather of the whole cache. The logits of every
+  slot are the contiguous path's, then its softmax; the values are summed page by page."""
+  b, hkv, g, _ = qg.shape
+  p_size, npg = cache.page_size, cache.table.shape[-1]
+  page = lambda raw, j: from_storage(raw[cache.table[:, j]], cache.dtype)  # [B, Hkv, P, D]
+  qc, scale = qg.astype(cache.dtype), _scale(qg)
+
+  def logits_of(j, acc):
+    return lax.dynamic_update_slice_in_dim(acc, _dot(page(cache.k_raw, j), qc) * scale,
+                                           j * p_size, axis=3)
+
+  logits = lax.fori_loop(0, npg, logits_of, jnp.zeros((b, hkv, g, npg * p_size), jnp.float32))
+  extra = None if k_extra is None else _dot(k_extra, qg.astype(k_extra.dtype)) * scale
+
+  def pv(p):
+    def add(j, acc):
+      pj = lax.dynamic_slice_in_dim(p, j * p_size, p_size, axis=3)
+      vj = page(cache.v_raw, j)
+      return acc + jnp.einsum("bhgk,bhkd->bhgd", pj.astype(vj.dtype), vj,
+                              preferred_element_type=jnp.float32)
+    return lax.fori_loop(0, npg, add, jnp.zeros((b, hkv, g, qg.shape[-1]), jnp.float32))
+
+  return softmax_combine(logits, valid, None, extra, v_extra, pv=pv)
+
+
+def softmax_combine(logits, valid, v, extra=None, v_extra=None, pv=None):
   """Softmax attention from its logits: the one softmax-and-values step of every decode attention.
 
   logits [B, Hkv, G, K] float32 (scaled), valid [B, Hkv, K], v [B, Hkv, K, D] -> [B, Hkv, G, D]
   float32. `extra [B, Hkv, G, 1]`, `v_extra [B, Hkv, 1, D]`: one more, always valid, logit and
   value. Masking as `ops.masked_softmax` (-inf; a row with nothing valid gives 0); the weights
-  are normalised after the product with v (one pass over the unnormalised weights).
+  are normalised after the product with v (one pass over the unnormalised weights). `pv(p)`:
+  that product, where v is None (a paged cache's).
   """
   logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
   mx = jnp.max(logits, axis=-1, keepdims=True)
@@ -43,7 +79,10 @@ def softmax_combine(logits, valid, v, extra=None, v_extra=None):
   mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
   p = jnp.exp(logits - mx)
   denom = jnp.sum(p, axis=-1, keepdims=True)
-  out = jnp.einsum("bhgk,bhkd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  if pv is None:
+    out = jnp.einsum("bhgk,bhkd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  else:
+    out = pv(p)
   if extra is not None:
     p_extra = jnp.exp(extra - mx)
     denom = denom + p_extra
@@ -108,8 +147,11 @@ def attend_dense_before_append(q: jax.Array, cache: KVCache, k_new: jax.Array,
   valid = jnp.broadcast_to(valid[:, None, :], cache.pos.shape)
   if sliding_window is not None:
     valid = valid & (cache.seen[:, None, None] - cache.pos < sliding_window)
-  out = _softmax_combine(group_queries(q, cache.k.shape[1]), cache.k, cache.v, valid, k_new,
-                         v_new)
+  qg = group_queries(q, cache.k_raw.shape[1])
+  if cache.paged:
+    out = _paged_softmax_combine(qg, cache, valid, k_new, v_new)
+  else:
+    out = _softmax_combine(qg, cache.k, cache.v, valid, k_new, v_new)
   return out.reshape(q.shape).astype(q.dtype)
 
 
@@ -124,6 +166,10 @@ def attend(q: jax.Array, cache: KVCache, idx: jax.Array | None = None, *,
   cache dtype.
   """
   check_query(q, cache)
+  if idx is None and cache.paged:
+    out = _paged_softmax_combine(group_queries(q, cache.k_raw.shape[1]), cache,
+                                 valid_slots(cache, sliding_window))
+    return out.reshape(q.shape).astype(q.dtype)
   if idx is None:
     return dense_attention_xla(q, cache.k, cache.v, valid_slots(cache, sliding_window))
   require_rank("idx", idx, 3, "[B, Hkv, K]")

@@ -86,6 +86,7 @@ def test_appends_and_reads_match_contiguous(chunk_size):
   idx = jnp.asarray(rng.integers(0, C, size=(B, H, 9)), jnp.int32)
   q = jnp.asarray(rng.normal(size=(B, 2 * H, D)), jnp.float32)
   np.testing.assert_allclose(attend(q, paged, idx), attend(q, flat, idx), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(attend(q, paged), attend(q, flat), rtol=1e-6, atol=1e-6)
   with pytest.raises(ValueError, match="impl must be 'auto' or 'xla' for a paged cache"):
     attend(q, paged, idx, impl="interpret")
 

@@ -14,6 +14,9 @@ import os
 import sys
 
 
+DEFAULT_BLOCK_SIZE = 128
+
+
 class UsageError(ValueError):
   """A bad command line: printed as one `error: ...` line, exit status 2."""
 
@@ -35,9 +38,17 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--budget", type=int, default=256,
                  help="token budget B of the one budget split every request shares (default 256)")
   p.add_argument("--kv-cache-mb", type=float, default=None,
-                 help="the slots' KV memory in MiB: as many slots as fit, at most --max-num-seqs "
-                      "(default: --max-num-seqs slots)")
-  p.add_argument("--max-num-seqs", type=int, default=8, help="decode slots at most (default 8)")
+                 help="the KV pool in MiB: with --block-size, pages for as many tokens as fit "
+                      "beside the --max-num-seqs slots; with --block-size 0, as many whole "
+                      "slots as fit, at most --max-num-seqs (default: room for --max-num-seqs "
+                      "requests of the plan's capacity)")
+  p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                 help=f"tokens per KV page (rounded up to whole chunks of the method's "
+                      f"summaries); a request holds the pages of its kept prompt + max_tokens. "
+                      f"0: no pages, each slot reserves the plan's whole capacity (default "
+                      f"{DEFAULT_BLOCK_SIZE})")
+  p.add_argument("--max-num-seqs", type=int, default=8,
+                 help="decode slots: requests decoding at once, at most (default 8)")
   p.add_argument("--max-model-len", type=int, default=None,
                  help="prompt + generated tokens of one request (default: min(4096, the "
                       "model's context))")
@@ -89,6 +100,8 @@ def check(args: argparse.Namespace) -> None:
   if args.prefill_tokens_per_step is not None and args.prefill_tokens_per_step < 1:
     raise UsageError(f"--prefill-tokens-per-step must be >= 1, got "
                      f"{args.prefill_tokens_per_step}")
+  if args.block_size < 0:
+    raise UsageError(f"--block-size must be >= 0 (0: no pages), got {args.block_size}")
   if args.max_waiting < 0:
     raise UsageError(f"--max-waiting must be >= 0, got {args.max_waiting}")
   if not 0 < args.port < 65536:
@@ -115,7 +128,7 @@ def build_engine(args: argparse.Namespace):
       rocket_config, max_model_len=max_model_len, max_new_tokens=args.max_new_tokens,
       max_num_seqs=args.max_num_seqs, kv_cache_mb=args.kv_cache_mb,
       max_waiting=args.max_waiting, steps_per_call=args.steps_per_call,
-      prefill_tokens_per_step=args.prefill_tokens_per_step))
+      prefill_tokens_per_step=args.prefill_tokens_per_step, page_size=args.block_size or None))
 
 
 def main(argv=None) -> None:
@@ -133,10 +146,14 @@ def main(argv=None) -> None:
     raise SystemExit(2) from None
   name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
   st = engine.stats()
-  print(f"rocketkv serve: {name}, {engine.plan.method} B={engine.plan.token_budget}, "
-        f"{st.num_slots} slots of {st.slot_bytes / 2**20:.1f} MiB, max_model_len "
-        f"{engine.config.max_model_len}; compiling {len(engine.buckets) + 1} programs ...",
-        file=sys.stderr, flush=True)
+  if engine.paged:
+    pool = (f"{st.num_slots} slots, {engine.num_pages - 1} pages of {engine.page_size} tokens "
+            f"({engine.page_bytes / 2**20:.2f} MiB each)")
+  else:
+    pool = f"{st.num_slots} slots of {st.slot_bytes / 2**20:.1f} MiB"
+  print(f"rocketkv serve: {name}, {engine.plan.method} B={engine.plan.token_budget}, {pool}, "
+        f"max_model_len {engine.config.max_model_len}; compiling {len(engine.buckets) + 2} "
+        f"programs ...", file=sys.stderr, flush=True)
   print(f"rocketkv serve: compiled in {engine.warmup():.1f} s; serving "
         f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
   engine.start()

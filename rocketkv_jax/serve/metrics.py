@@ -39,7 +39,8 @@ class _EngineCollector:
         ("num_requests_running", "Requests holding a decode slot.", s.num_running),
         ("num_requests_waiting", "Requests waiting for a decode slot.", s.num_waiting),
         ("num_slots", "Decode slots (requests that can run at once).", s.num_slots),
-        ("kv_cache_usage_perc", "Fraction (0-1) of the slots' KV token capacity in use.",
+        ("kv_cache_usage_perc",
+         "Fraction (0-1) of the KV pool in use (its pages; without pages, the slots' tokens).",
          s.kv_cache_usage)):
       yield GaugeMetricFamily(f"rocketkv:{name}", doc, value=value)
     for name, doc, value in (
