@@ -18,6 +18,7 @@ from rocketkv_jax.runtime import engine_programs
 from rocketkv_jax.runtime.engine import (Engine, EngineClosed, EngineConfig, QueueFull,
                                          SamplingParams)
 from rocketkv_jax.runtime.requests import Request
+import method_specs
 from model_fixtures import gemma3_checkpoint, hf_checkpoint
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -302,3 +303,33 @@ def test_paged_config_errors():
     EngineConfig(CONFIGS["full"], page_size=16, impl="pallas")
   with pytest.raises(ValueError, match="kv_cache_mb must hold the 4 slots"):
     _engine(model, CONFIGS["full"], page_size=16, kv_cache_mb=0.01)
+
+
+def _spec_config(spec):
+  name, _, extra = spec.partition(":")
+  kw = dict(token_budget=64, method=name, window_size=8, sink_size=2, page_size=8)
+  if extra == "skip_layers":
+    kw["skip_layers"] = 2
+  elif extra:
+    kw["stage2"] = method_specs.stage2_of(extra)
+  return rocketkv.RocketConfig(**kw)
+
+
+NOT_PAGED = {"exact_topp", "rocketkv:lowrank", "rocketkv:skip_layers"}  # + rocketkv_mt
+
+
+@pytest.mark.parametrize("spec", method_specs.SPECS)
+def test_every_method_in_pages(spec):
+  """Every method and stage-2 variant in a paged pool: `generate`'s greedy tokens, or (a state
+  the pages do not hold) a one-line ValueError before anything runs."""
+  model, rc = _model(), _spec_config(spec)
+  if spec in NOT_PAGED or spec.startswith("rocketkv_mt"):
+    with pytest.raises(ValueError, match="page_size needs (a method whose decode state is a "
+                                         "KVCache or a QuantState|every layer's cache of the)"):
+      _engine(model, rc, page_size=16, min_bucket=128)
+    return
+  eng = _engine(model, rc, page_size=16, min_bucket=128, max_num_seqs=2)
+  prompts = _prompts((40, 200))
+  params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+  for p, o in zip(prompts, eng.generate(prompts, params)):
+    assert o.token_ids == _reference(model, eng, rc, p, 6), spec

@@ -20,9 +20,13 @@ plans for a nominal length (docs/serving.md says why). With it every slot's stat
 shapes, and a request's greedy output is `generate`'s with `pad_to=plan.prompt_len,
 max_new_tokens=plan.max_new_tokens`, alone or among others.
 
-The slots' memory is the pool: with `kv_cache_mb`, `S` is the number of slots whose states fit
-in it (at most `max_num_seqs`); a compressing method's state is its plan's capacity, so the
-same pool holds more requests.
+Memory, two ways. Slots (`page_size=None`): each slot reserves its plan's whole capacity; with
+`kv_cache_mb`, `S` is the number of slots that fit (at most `max_num_seqs`), and a compressing
+method's capacity is smaller, so the same pool holds more requests. Pages (`page_size=P`,
+`paged_pool.py`): the `max_num_seqs` slots share a pool of pages; a request takes the pages of
+its kept prompt tokens + max_tokens when it is admitted (it waits in the queue until they are
+free: nothing is preempted or runs out of memory later) and returns them when it ends, so short
+requests hold little and as many run as their pages allow.
 """
 
 from __future__ import annotations
@@ -186,7 +190,7 @@ class Engine:
     self.paged = config.page_size is not None
     slots = config.max_num_seqs
     if self.paged:
-      paged_pool.check_pageable(row, self.sliding_groups)
+      paged_pool.check_pageable(row, self.sliding_groups, self.plan)
       self.page_size = paged_pool.page_tokens(self.plan, config.page_size)
       self.pages_per_seq = -(-self.plan.capacity // self.page_size)
       pool = lambda s, n: _nbytes(jax.eval_shape(

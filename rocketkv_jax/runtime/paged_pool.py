@@ -48,13 +48,22 @@ def _is_state(x) -> bool:
   return isinstance(x, (KVCache, quant.QuantState))
 
 
-def check_pageable(row: llama.LayerStack, sliding_groups: tuple[bool, ...]) -> None:
-  """ValueError unless every paged group's state is a `KVCache` or a `QuantState`."""
+def check_pageable(row: llama.LayerStack, sliding_groups: tuple[bool, ...], plan) -> None:
+  """ValueError unless every paged group's state is a `KVCache` or a `QuantState` of the plan's
+  capacity (one page table serves every layer, and a request's pages count its kept tokens)."""
+  caps = {plan.capacity}
   for slide, g in zip(sliding_groups, row.groups):
-    if not slide and not _is_state(g):
+    if slide:
+      continue
+    if not _is_state(g):
       raise ValueError(f"page_size needs a method whose decode state is a KVCache or a "
                        f"QuantState (full, snapkv, rocketkv with stage2 minmax / rerank / quant, "
                        f"...), got a {type(g).__name__}: use page_size=None")
+    caps.add(getattr(g, "cache", g).k_raw.shape[-2])
+  if len(caps) > 1:
+    raise ValueError(f"page_size needs every layer's cache of the plan's capacity "
+                     f"{plan.capacity}, got {sorted(caps)} (skip_layers' dense layers hold the "
+                     f"whole prompt): use page_size=None")
 
 
 # ------------------------------------------------------------------ one layer
