@@ -38,8 +38,9 @@ def _dot(k, q):
 
 def _paged_softmax_combine(qg, cache: KVCache, valid, k_extra=None, v_extra=None):
   """`_softmax_combine` over every slot of a paged cache, one page of each sequence at a time
-  (a loop over the NP page-table columns): no gather of the whole cache. The logits of every
-  slot are the contiguous path's, then its softmax; the values are summed page by page."""
+  (a loop over the page-table columns that hold a valid slot of some sequence): no gather of
+  the whole cache. The logits of every slot are the contiguous path's, then its softmax; the
+  values are summed page by page."""
   b, hkv, g, _ = qg.shape
   p_size, npg = cache.page_size, cache.table.shape[-1]
   page = lambda raw, j: from_storage(raw[cache.table[:, j]], cache.dtype)  # [B, Hkv, P, D]
@@ -49,7 +50,9 @@ def _paged_softmax_combine(qg, cache: KVCache, valid, k_extra=None, v_extra=None
     return lax.dynamic_update_slice_in_dim(acc, _dot(page(cache.k_raw, j), qc) * scale,
                                            j * p_size, axis=3)
 
-  logits = lax.fori_loop(0, npg, logits_of, jnp.zeros((b, hkv, g, npg * p_size), jnp.float32))
+  # Only the pages some sequence of the batch fills: short requests read less than C.
+  used = jnp.minimum((jnp.max(cache.length) + p_size - 1) // p_size, npg)
+  logits = lax.fori_loop(0, used, logits_of, jnp.zeros((b, hkv, g, npg * p_size), jnp.float32))
   extra = None if k_extra is None else _dot(k_extra, qg.astype(k_extra.dtype)) * scale
 
   def pv(p):
@@ -58,7 +61,7 @@ def _paged_softmax_combine(qg, cache: KVCache, valid, k_extra=None, v_extra=None
       vj = page(cache.v_raw, j)
       return acc + jnp.einsum("bhgk,bhkd->bhgd", pj.astype(vj.dtype), vj,
                               preferred_element_type=jnp.float32)
-    return lax.fori_loop(0, npg, add, jnp.zeros((b, hkv, g, qg.shape[-1]), jnp.float32))
+    return lax.fori_loop(0, used, add, jnp.zeros((b, hkv, g, qg.shape[-1]), jnp.float32))
 
   return softmax_combine(logits, valid, None, extra, v_extra, pv=pv)
 
