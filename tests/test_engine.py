@@ -19,7 +19,7 @@ from rocketkv_jax.runtime.engine import (Engine, EngineClosed, EngineConfig, Que
                                          SamplingParams)
 from rocketkv_jax.runtime.requests import Request
 import method_specs
-from model_fixtures import gemma3_checkpoint, hf_checkpoint
+from model_fixtures import gemma3_checkpoint, hf_checkpoint, run_on_host_devices
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LENGTHS = (5, 40, 100, 200, 256, 17)
@@ -333,3 +333,34 @@ def test_every_method_in_pages(spec):
   params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
   for p, o in zip(prompts, eng.generate(prompts, params)):
     assert o.token_ids == _reference(model, eng, rc, p, 6), spec
+
+
+_TP_SCRIPT = """
+    from rocketkv_jax.runtime.engine import Engine, EngineConfig, SamplingParams
+    path = {path!r}
+    single = M.load(path)
+    tp = M.load(path, mesh=sharding.make_mesh(2))
+    prompts = [random_tokens(1, n, seed=n)[0].tolist() for n in (48, 33, 70)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for page in (None, 16):
+      for rc in (rocketkv.RocketConfig(token_budget=32, method="full"),
+                 rocketkv.RocketConfig.recommended(32)):
+        cfg = EngineConfig(rc, max_model_len=160, max_new_tokens=32, max_num_seqs=2,
+                           min_bucket=64, page_size=page)
+        want = [o.token_ids for o in Engine(single, cfg).generate(prompts, params)]
+        eng = Engine(tp, cfg)
+        got = [o.token_ids for o in eng.generate(prompts, params)]
+        assert got == want, (page, rc.method, got, want)
+        k = eng.state.groups[0].cache.k_raw if hasattr(eng.state.groups[0], "cache") else (
+            eng.state.groups[0].k_raw)
+        assert k.sharding.spec[2 if k.ndim == 5 else 1] == "tp", k.sharding  # KV heads split
+    print("TP-OK")
+"""
+
+
+def test_tensor_parallel_engine_matches_one_device():
+  """The engine on a 2-device "tp" mesh (forced CPU host devices, in a child process), slots
+  and pages: the KV heads split over the devices, the tokens of one device."""
+  path, _ = hf_checkpoint("llama_tp")
+  out = run_on_host_devices(_TP_SCRIPT.format(path=path), devices=2)
+  assert out.returncode == 0 and "TP-OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]

@@ -395,7 +395,9 @@ def test_burst_past_max_waiting_gets_503_and_the_rest_complete(served):
 
 # ------------------------------------------------------------------ the command line
 @pytest.mark.parametrize("argv,message", [
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 is not supported yet"),
+    (["--tensor-parallel-size", "64"], "needs more devices than the"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
+    (["--block-size", "-1"], "--block-size must be >= 0 (0: no pages)"),
     (["--method", "magic"], "--method must be recommended or one of"),
     (["--budget", "0"], "--budget must be >= 1"),
     (["--prefill-tokens-per-step", "0"], "--prefill-tokens-per-step must be >= 1"),

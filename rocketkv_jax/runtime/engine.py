@@ -48,6 +48,7 @@ import numpy as np
 from rocketkv_jax.config import RocketConfig, check_num_layers
 from rocketkv_jax.config import plan as make_plan
 from rocketkv_jax.models import llama
+from rocketkv_jax.models import sharding as sharding_lib
 from rocketkv_jax.models.api import as_model
 from rocketkv_jax.runtime import decode_loop, engine_programs as programs, paged_pool
 from rocketkv_jax.runtime.requests import Output, Request, RequestHandle, SamplingParams
@@ -179,6 +180,9 @@ class Engine:
     self.eos_ids = decode_loop.default_eos_ids(model)
     self._eos = jnp.asarray(np.array(list(self.eos_ids) or [-1], np.int32))
     self._static = dict(config=mc, plan=self.plan, impl=config.impl)
+    self._mesh = sharding_lib.mesh_of(model.params)  # tensor parallel over KV heads, or None
+    if self._mesh is not None:
+      sharding_lib.check_mesh(mc, self._mesh)
 
     self.buckets = self._buckets()
     one = (jnp.zeros((1, self.buckets[0]), jnp.int32), jnp.ones((1,), jnp.int32))
@@ -270,11 +274,33 @@ class Engine:
            tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args)))
     if sig not in self._exes:
       t0 = time.perf_counter()
-      jitted = jax.jit(functools.partial(fn, **self._static, **static), donate_argnums=donate)
+      fn = functools.partial(fn, **self._static, **static)
+      out = None if self._mesh is None else self._out_shardings(jax.eval_shape(fn, *args))
+      jitted = jax.jit(fn, donate_argnums=donate, out_shardings=out)
       self._exes[sig] = jitted.lower(*args).compile()
       self._counters["compile_s"] += time.perf_counter() - t0
       self._counters["programs"] += 1
     return self._exes[sig]
+
+  def _out_shardings(self, out):
+    """On a mesh, every program leaves the state in one layout (so the next one takes it as it
+    is): the KV-head axis of each per-layer array over "tp" (axis 1 of a layer's leaves of rank
+    >= 3, after the stacked layer axis), the rest replicated; other outputs replicated."""
+    mesh = self._mesh
+    rep = sharding_lib.replicated(mesh)
+
+    def state(st):
+      groups = []
+      for (lo, hi), g in zip(st.spans, st.groups):
+        off = 1 if hi - lo > 1 else 0
+        groups.append(jax.tree.map(
+            lambda x, off=off: jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec(*[None] * (off + 1), "tp"))
+            if x.ndim >= off + 3 else rep, g))
+      return st.replace(groups=tuple(groups))
+
+    is_stack = lambda x: isinstance(x, llama.LayerStack)
+    return jax.tree.map(lambda x: state(x) if is_stack(x) else rep, out, is_leaf=is_stack)
 
   def _admit_args(self, tokens, length, slot, p: SamplingParams, seed: int, page_ids=None):
     paged = () if not self.paged else (

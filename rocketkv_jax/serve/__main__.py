@@ -67,7 +67,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                  help="parameter and KV-cache dtype (default float32)")
   p.add_argument("--tensor-parallel-size", type=int, default=1,
-                 help="only 1 is supported yet")
+                 help="devices the KV heads (and the model's attention heads and MLP columns) "
+                      "are split over; must divide the model's KV heads (default 1)")
   p.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only)")
   p.add_argument("--port", type=int, default=8000, help="default 8000")
   p.add_argument("--served-model-name", default=None,
@@ -88,13 +89,11 @@ def check(args: argparse.Namespace) -> None:
   """The checks that need no model; UsageError names the flag."""
   import rocketkv_jax as rocketkv
 
-  if args.tensor_parallel_size != 1:
-    raise UsageError(f"--tensor-parallel-size {args.tensor_parallel_size} is not supported yet "
-                     "(the server runs on one device)")
   if args.method != "recommended" and args.method not in rocketkv.METHODS:
     raise UsageError(f"--method must be recommended or one of {list(rocketkv.METHODS)}, got "
                      f"{args.method!r}")
-  for flag in ("budget", "max_num_seqs", "max_new_tokens", "steps_per_call"):
+  for flag in ("budget", "max_num_seqs", "max_new_tokens", "steps_per_call",
+               "tensor_parallel_size"):
     if getattr(args, flag) < 1:
       raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
   if args.prefill_tokens_per_step is not None and args.prefill_tokens_per_step < 1:
@@ -118,7 +117,14 @@ def build_engine(args: argparse.Namespace):
   from rocketkv_jax.runtime.engine import Engine, EngineConfig
 
   path = rocketkv.models.resolve(args.model)
-  model = rocketkv.models.load(path, dtype=getattr(jnp, args.dtype))
+  mesh = None
+  if args.tensor_parallel_size > 1:
+    from rocketkv_jax.models import sharding
+
+    mesh = sharding.make_mesh(tp=args.tensor_parallel_size)
+    config, _ = rocketkv.models.load_config(path)
+    sharding.check_mesh(config, mesh)
+  model = rocketkv.models.load(path, dtype=getattr(jnp, args.dtype), mesh=mesh)
   if args.method == "recommended":
     rocket_config = rocketkv.RocketConfig.recommended(args.budget)
   else:
