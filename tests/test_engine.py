@@ -257,18 +257,42 @@ def test_paged_pool_equals_generate(name):
   assert eng.stats().kv_cache_usage == 0.0
   eng.step()  # releases the last slots' pages
   assert sorted(eng._free_pages) == list(range(1, eng.num_pages))
-  assert eng.num_programs <= len(eng.buckets) + 3  # + the release program
+  assert eng.num_programs <= len(eng.buckets) + len(eng.batches) + 3  # + release, move
+
+
+@pytest.mark.parametrize("name", ["rocketkv", "recommended"])
+def test_paged_busy_slots_move_first(name):
+  """Requests ending at different steps leave holes that the last busy slots move into; each
+  decode call then runs only the first slots. Every request still gets `generate`'s tokens."""
+  model, rc = _model(), CONFIGS[name]
+  eng = _engine(model, rc, page_size=16, max_num_seqs=4)
+  prompts = _prompts((30, 60, 90, 120, 150, 45), seed=3)
+  limits = (2, 14, 4, 9, 3, 6)
+  handles = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+             for p, n in zip(prompts, limits)]
+  rows = []
+  while eng.has_work():
+    eng.step()
+    rows.append(eng._decode_rows())
+  assert eng._counters["moves"] > 0 and min(rows) < eng.num_slots
+  for p, n, h in zip(prompts, limits, handles):
+    assert h.result().token_ids == _reference(model, eng, rc, p, n)
 
 
 def test_paged_gemma3_hybrid_layers():
-  """Gemma 3's sliding layers keep per-slot window caches beside the global layers' pages."""
+  """Gemma 3's sliding layers keep per-slot window caches beside the global layers' pages (and
+  move with their request)."""
   model, rc = _model("gemma3"), CONFIGS["recommended"]
   eng = _engine(model, rc, max_model_len=200, max_new_tokens=40, max_num_seqs=2, page_size=16)
   assert any(eng.sliding_groups) and not all(eng.sliding_groups)
-  prompts = _prompts((7, 90, 150))
-  outs = eng.generate(prompts, GREEDY)
-  for p, o in zip(prompts, outs):
-    assert o.token_ids == _reference(model, eng, rc, p, GREEDY.max_tokens)
+  prompts, limits = _prompts((7, 90, 150)), (3, 12, 6)
+  handles = [eng.add_request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+             for p, n in zip(prompts, limits)]
+  while eng.has_work():
+    eng.step()
+  assert eng._counters["moves"] > 0
+  for p, n, h in zip(prompts, limits, handles):
+    assert h.result().token_ids == _reference(model, eng, rc, p, n)
 
 
 def test_paged_admission_waits_for_pages():

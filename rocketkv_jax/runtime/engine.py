@@ -222,6 +222,9 @@ class Engine:
                          f"max_model_len), got {config.kv_cache_mb}")
       slots = min(slots, fit)
     self.num_slots = slots
+    # Decode batch sizes with pages: powers of two up to S, and S (one program each)
+    self.batches = tuple(sorted({1 << i for i in range(slots.bit_length()) if 1 << i < slots}
+                                | {slots}))
 
     self._lock = threading.Condition()
     self._waiting: collections.deque[Request] = collections.deque()
@@ -311,9 +314,18 @@ class Engine:
             np.array([p.top_p], np.float32), np.array([seed], np.uint32),
             np.array([p.min_tokens], np.int32), self._eos)
 
-  def _decode_args(self):
-    return (self.model.params, self.state, self._last, self._pos, self._ngen, self._temp,
-            self._top_p, self._seed, self._min_tokens, self._eos)
+  def _decode_args(self, rows=None):
+    r = slice(rows)
+    return (self.model.params, self.state, self._last[r], self._pos[r], self._ngen[r],
+            self._temp[r], self._top_p[r], self._seed[r], self._min_tokens[r], self._eos)
+
+  def _decode_rows(self) -> int | None:
+    """Slots the next decode call runs: with pages, the smallest batch size (a power of two,
+    or S) covering every busy slot (they are kept first); without, all (None)."""
+    if not self.paged:
+      return None
+    top = max((i for i, r in enumerate(self._slots) if r is not None), default=0) + 1
+    return next(b for b in self.batches if b >= top)
 
   def _admit_exe(self, bucket: int, args):
     if self.paged:
@@ -328,8 +340,15 @@ class Engine:
                          sliding_groups=self.sliding_groups)
 
   def _decode_exe(self, args):
+    if self.paged:
+      return self._program(f"decode{len(args[2])}", programs.decode_rows_program, (1,), *args,
+                           steps=self.config.steps_per_call, sliding_groups=self.sliding_groups)
     return self._program("decode", programs.decode_program, (1,), *args,
                          steps=self.config.steps_per_call)
+
+  def _move_exe(self, args):
+    return self._program("move", programs.move_program, (0,), *args,
+                         sliding_groups=self.sliding_groups)
 
   def warmup(self) -> float:
     """Compiles every program (one admit per bucket, the decode step) now, so that no request
@@ -338,9 +357,11 @@ class Engine:
     for b in self.buckets:
       self._admit_exe(b, self._admit_args(np.zeros((1, b), np.int32), 1, 0, SamplingParams(),
                                           0))
-    self._decode_exe(self._decode_args())
+    for rows in (self.batches if self.paged else (None,)):
+      self._decode_exe(self._decode_args(rows))
     if self.paged:
       self._release_exe((self.state, self._release_mask))
+      self._move_exe((self.state, np.int32(0), np.int32(0)))
     return self._counters["compile_s"] - t0
 
   @property
@@ -493,6 +514,7 @@ class Engine:
     reach a page another request owns)."""
     if not self.paged:
       return
+    self._compact()
     with self._lock:
       mask = self._release_mask.copy()
     if mask.any():
@@ -502,6 +524,29 @@ class Engine:
       self._release_mask[mask] = False
       self._free_pages += self._released
       self._released = []
+
+  def _compact(self) -> None:
+    """Moves the last busy slots into the free ones below them, so that the busy slots are the
+    first ones and a decode call runs only those (`_decode_rows`)."""
+    while True:
+      with self._lock:
+        busy = [i for i, r in enumerate(self._slots) if r is not None]
+        holes = [i for i, r in enumerate(self._slots[:busy[-1]]) if r is None] if busy else []
+        if not holes:
+          return
+        src, dst = busy[-1], holes[0]
+      args = (self.state, np.int32(src), np.int32(dst))
+      self.state = self._move_exe(args)(*args)
+      self._counters["moves"] += 1
+      with self._lock:
+        self._slots[dst], self._slots[src] = self._slots[src], None
+        for a in (self._last, self._pos, self._ngen, self._temp, self._top_p, self._seed,
+                  self._min_tokens, self._held):
+          a[dst] = a[src]
+        self._slot_pages[dst], self._slot_pages[src] = self._slot_pages[src], []
+        self._release_mask[dst] = False  # it holds the moved request's table now
+        self._release_mask[src] = True  # its table still names those pages: to the scratch
+        self._temp[src] = 0.0
 
   def _reap(self) -> None:
     with self._lock:
@@ -545,18 +590,19 @@ class Engine:
         self._free(slot, req.finish_reason)
 
   def _decode(self) -> None:
-    args = self._decode_args()
+    rows = self._decode_rows()
+    args = self._decode_args(rows)
     exe = self._decode_exe(args)
     t0 = time.perf_counter()
     out, self.state = exe(*args)
-    out = np.asarray(out)  # [S, K]: the host sees each call's tokens (streaming, stops)
+    out = np.asarray(out)  # [S | rows, K]: the host sees each call's tokens (streaming, stops)
     self._counters["decode_s"] += time.perf_counter() - t0
-    k = out.shape[1]
+    k, n = out.shape[1], out.shape[0]
     with self._lock:
       busy = [(i, r) for i, r in enumerate(self._slots) if r is not None]
-      self._last = out[:, -1].copy()
-      self._pos += k
-      self._ngen += k
+      self._last[:n] = out[:, -1]
+      self._pos[:n] += k
+      self._ngen[:n] += k
     for i, req in busy:
       before = len(req.generated)
       req.add_tokens(out[i].tolist())

@@ -153,3 +153,19 @@ def decode_program(params, state, last, positions, n_generated, temperature, top
   # one step runs straight, not as a loop: a loop's carry may copy the whole state per call
   state, _, out = body(0, carry) if steps == 1 else lax.fori_loop(0, steps, body, carry)
   return out, state
+
+
+def decode_rows_program(params, state, last, positions, n_generated, temperature, top_p, seed,
+                        min_tokens, eos, *, config, plan, steps, impl, sliding_groups):
+  """`decode_program` over the first `R = last.shape[0]` slots of a paged pool only (the busy
+  ones: the engine keeps them first), the pages written in place. Returns (tokens [R, steps],
+  state)."""
+  sub = paged_pool.take_rows(state, last.shape[0], sliding_groups)
+  out, sub = decode_program(params, sub, last, positions, n_generated, temperature, top_p, seed,
+                            min_tokens, eos, config=config, plan=plan, steps=steps, impl=impl)
+  return out, paged_pool.put_rows(state, sub, sliding_groups)
+
+
+def move_program(state, src, dst, *, sliding_groups, **_):
+  """Slot `src`'s request moves to slot `dst` (`paged_pool.move_row`)."""
+  return paged_pool.move_row(state, src, dst, sliding_groups)

@@ -187,3 +187,57 @@ def release(pool: llama.LayerStack, free: jax.Array,
     fn = lambda g: _release(g, free)
     out.append(jax.vmap(fn)(g) if stacked else fn(g))
   return pool.replace(groups=tuple(out))
+
+
+# ------------------------------------------------------------------ the busy rows
+def _slot_leaves(g, fn, other=None):
+  """`g` with `fn(leaf[, other's leaf])` applied to its per-slot leaves (not the pages)."""
+  f = (lambda name, x=g: fn(getattr(x, name))) if other is None else (
+      lambda name, x=g, y=other: fn(getattr(x, name), getattr(y, name)))
+  if isinstance(g, KVCache):
+    new = {n: f(n) for n in ("pos", "length", "seen", "overflow", "table")}
+    if other is not None:  # the pages as the other state has them
+      new.update(k_raw=other.k_raw, v_raw=other.v_raw, bounds_raw=other.bounds_raw)
+    return g.replace(**new)
+  cache = _slot_leaves(g.cache, fn, None if other is None else other.cache)
+  new = {n: f(n) for n in ("lo", "step") + (("v_sum",) if g.v_sum is not None else ())}
+  if other is not None:
+    new["codes"] = other.codes
+  return g.replace(cache=cache, **new)
+
+
+def _map_groups(state, sliding_groups, fn, other=None):
+  """fn(leaf[, other leaf], axis) over every per-slot leaf of `state` (axis: its slot axis)."""
+  out = []
+  others = [None] * len(state.groups) if other is None else other.groups
+  for slide, (stacked, g), o in zip(sliding_groups, _groups(state), others):
+    axis = 1 if stacked else 0
+    f = lambda *xs, axis=axis: fn(*xs, axis)
+    if slide:
+      out.append(jax.tree.map(f, g) if o is None else jax.tree.map(f, g, o))
+    else:
+      out.append(_slot_leaves(g, f, o))
+  return state.replace(groups=tuple(out))
+
+
+def take_rows(state: llama.LayerStack, rows: int, sliding_groups) -> llama.LayerStack:
+  """The state of slots [0, rows) (the pages shared, as they are)."""
+  return _map_groups(state, sliding_groups,
+                     lambda x, axis: lax.slice_in_dim(x, 0, rows, axis=axis))
+
+
+def put_rows(state: llama.LayerStack, sub: llama.LayerStack, sliding_groups) -> llama.LayerStack:
+  """`state` with slots [0, rows) and the pages from `sub` (a `take_rows` state, updated)."""
+  return _map_groups(state, sliding_groups,
+                     lambda x, y, axis: lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), 0,
+                                                                        axis), sub)
+
+
+def move_row(state: llama.LayerStack, src: jax.Array, dst: jax.Array,
+             sliding_groups) -> llama.LayerStack:
+  """Slot `src`'s per-slot fields (page table included) copied into slot `dst`: the request
+  moves, its pages stay where they are."""
+  def move(x, axis):
+    row = lax.dynamic_index_in_dim(x, src, axis, keepdims=True)
+    return lax.dynamic_update_slice_in_dim(x, row, dst, axis)
+  return _map_groups(state, sliding_groups, move)
