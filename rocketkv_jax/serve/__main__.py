@@ -158,8 +158,8 @@ def main(argv=None) -> None:
   else:
     pool = f"{st.num_slots} slots of {st.slot_bytes / 2**20:.1f} MiB"
   print(f"rocketkv serve: {name}, {engine.plan.method} B={engine.plan.token_budget}, {pool}, "
-        f"max_model_len {engine.config.max_model_len}; compiling the programs "
-        f"programs ...", file=sys.stderr, flush=True)
+        f"max_model_len {engine.config.max_model_len}; compiling ...", file=sys.stderr,
+        flush=True)
   print(f"rocketkv serve: compiled in {engine.warmup():.1f} s; serving "
         f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
   engine.start()
