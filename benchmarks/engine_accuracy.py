@@ -43,6 +43,9 @@ def main(argv=None) -> int:
   ap.add_argument("--engine-max-model-len", type=int, default=None,
                   help="the engine's max_model_len (default: the model's context)")
   ap.add_argument("--slots", type=int, default=4)
+  ap.add_argument("--reuse-generate", default=None,
+                  help="an earlier run's engine_accuracy.json (same model, tasks, length, "
+                       "samples, seed, budget): its generate answers instead of running them")
   ap.add_argument("--out", default="runs/engine_accuracy")
   a = ap.parse_args(argv)
   try:
@@ -55,6 +58,15 @@ def main(argv=None) -> int:
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  reuse = None
+  if a.reuse_generate:
+    with open(a.reuse_generate) as f:
+      reuse = json.load(f)
+    same = all(reuse.get(k) == getattr(a, k) for k in ("model", "length", "samples", "budget"))
+    if not same:
+      print("error: --reuse-generate: a run of another model, length, samples or budget",
+            file=sys.stderr)
+      return 2
   model = models.load(path)
   ctx = model.config.max_position_embeddings
   tok = tasks.formatted(model.tokenizer, "chat" if model.tokenizer.chat_template
@@ -94,19 +106,27 @@ def main(argv=None) -> int:
     def scored(texts):
       return np.array([tasks.score(s.metric, t, s.answers) for s, t in zip(samples, texts)])
 
-    def by_generate(rc):
+    def by_generate(rc, method):
+      if reuse is not None:
+        got = {r["index"]: r["generate"] for r in reuse["records"]
+               if r["task"] == task and r["method"] == method}
+        if len(got) == len(samples):
+          return [got[s.index] for s in samples]
       texts = []
       for i in range(0, len(ids), a.slots):
         texts += rocketkv.generate(model, ids[i:i + a.slots], rocket_config=rc,
                                    max_new_tokens=new, pad_to=padded).text
       return texts
 
-    full = scored(by_generate(rocketkv.RocketConfig(token_budget=a.budget, method="full")))
-    rows.append(dict(task=task, method="full", generate=float(full.mean())))
+    prior = [r for r in (reuse or {}).get("rows", []) if r["task"] == task
+             and r["method"] == "full"]
+    full = prior[0]["generate"] if prior else float(scored(by_generate(
+        rocketkv.RocketConfig(token_budget=a.budget, method="full"), "full")).mean())
+    rows.append(dict(task=task, method="full", generate=full))
     print(json.dumps(rows[-1]), flush=True)
     write()
     for m in a.methods:
-      gen_texts = by_generate(rocket_config(m, a.budget))
+      gen_texts = by_generate(rocket_config(m, a.budget), m)
       eng_texts = [o.text for o in engines[m].generate(
           ids, SamplingParams(max_tokens=new, temperature=0.0))]
       g, e = scored(gen_texts), scored(eng_texts)
