@@ -152,7 +152,7 @@ class EngineStats:
   num_running: int
   num_waiting: int
   num_slots: int
-  kv_cache_usage: float  # 0-1: tokens (paged: pages) held by running requests / the pool's
+  kv_cache_usage: float  # 0-1: pages (slots: tokens) running requests hold / the pool's
   slot_bytes: int  # one slot's KV state (paged: one request of the plan's capacity)
   prompt_tokens_total: int
   generation_tokens_total: int
