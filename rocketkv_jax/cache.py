@@ -93,15 +93,18 @@ class KVCache:
     kmin, kmax: [B, Hkv, NC, D] per-chunk min / max of the valid keys, in `dtype`.
     bounds: [B, Hkv, 2D, NC] both, dim-major (kmin rows, then kmax rows), in `dtype`; with
       chunk_size 1, [B, Hkv, D, C] (kmin = kmax = the keys; module doc).
+    pos: [B, Hkv, C] int32 absolute token position held by each slot (-1: empty).
   Attributes:
     k_raw, v_raw, bounds_raw: storage of k, v, bounds (uint16 bits for 16-bit floats).
-    pos: [B, Hkv, C] int32 absolute token position held by each slot (-1: empty).
+    pos_raw: storage of `pos`, the [B, Hkv, C] int32 absolute token position held by each slot
+      (-1: empty); pages [N, Hkv, P] when paged.
     length: [B] int32 valid slots per sequence.
     seen: [B] int32 tokens seen so far (= absolute position of the next token).
     overflow: [B] bool, True once an append found the sequence full.
     table: None for a contiguous cache; for a paged one (the serving engine's pool, module doc
       "Paged"), [B, NP] int32 page ids: `k_raw, v_raw` are then pages [N, Hkv, P, D],
-      `bounds_raw` [N, Hkv, 2D | D, P / chunk_size], and the properties read through the table.
+      `pos_raw` [N, Hkv, P], `bounds_raw` [N, Hkv, 2D | D, P / chunk_size], and the
+      properties read through the table.
     chunk_size: static, slots per summary chunk (0: no summaries are kept).
     dtype_name: static, the logical dtype of k, v and the bounds.
     method: static, the method whose `rocketkv.prefill` made it ("" when built directly):
@@ -111,7 +114,7 @@ class KVCache:
   k_raw: jax.Array
   v_raw: jax.Array
   bounds_raw: jax.Array
-  pos: jax.Array
+  pos_raw: jax.Array
   length: jax.Array
   seen: jax.Array
   overflow: jax.Array
@@ -141,6 +144,12 @@ class KVCache:
   def bounds(self) -> jax.Array:
     raw = self.bounds_raw
     return from_storage(pages.logical_cols(raw, self.table) if self.paged else raw, self.dtype)
+
+  @property
+  def pos(self) -> jax.Array:
+    if self.paged:
+      return pages.logical(self.pos_raw[..., None], self.table)[..., 0]
+    return self.pos_raw
 
   def _slots(self, raw: jax.Array) -> jax.Array:
     """[B, Hkv, C, D] storage in slot order (a gather of the pages when paged)."""
@@ -276,7 +285,7 @@ def from_kept(k: jax.Array, v: jax.Array, pos: jax.Array, length: jax.Array,
   pos = jnp.where(valid[:, None, :], pos, -1)
   kmin, kmax = chunk_summaries(k, length, chunk_size)
   return KVCache(k_raw=to_storage(k), v_raw=to_storage(v),
-                 bounds_raw=to_storage(summary_bounds(kmin, kmax, chunk_size)), pos=pos,
+                 bounds_raw=to_storage(summary_bounds(kmin, kmax, chunk_size)), pos_raw=pos,
                  # Distinct buffers, so that a donated cache never donates one buffer twice.
                  length=jnp.array(length, jnp.int32, copy=True),
                  seen=jnp.array(seen, jnp.int32, copy=True),
@@ -417,9 +426,10 @@ def append(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
       col = jnp.concatenate([col, jnp.max(jnp.where(in_chunk, rows, -big), axis=2)], axis=-1)
     # column ci of [B, Hkv, 2D | D, NC] (of the page's [N, Hkv, 2D | D, P / cs])
     bounds_raw = write_rows(bounds_raw, col, ci, axis=3, at0=page)
-  seen = jnp.broadcast_to(cache.seen[:, None], cache.pos.shape[:2])
+  seen = jnp.broadcast_to(cache.seen[:, None], (kn.shape[0], kn.shape[1]))
   return cache.replace(k_raw=k_raw, v_raw=write_rows(cache.v_raw, vn, at, at0=page),
-                       bounds_raw=bounds_raw, pos=write_rows(cache.pos, seen, slot),
+                       bounds_raw=bounds_raw,
+                       pos_raw=write_rows(cache.pos_raw, seen, at, at0=page),
                        length=cache.length + ok.astype(jnp.int32), seen=cache.seen + 1,
                        overflow=cache.overflow | ~ok)
 
@@ -457,7 +467,7 @@ def extend(cache: KVCache, k: jax.Array, v: jax.Array,
   return cache.replace(k_raw=kk, v_raw=vv,
                        bounds_raw=_storage_like(summary_bounds(kmin, kmax, cache.chunk_size),
                                                 cache.bounds_raw),
-                       pos=pos, length=length,
+                       pos_raw=pos, length=length,
                        seen=cache.seen + lengths,
                        overflow=cache.overflow | (written < lengths))
 

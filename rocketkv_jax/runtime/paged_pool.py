@@ -4,10 +4,10 @@
     pool = write_request(pool, row, slot, page_ids)   # one prefilled request into slot + pages
     pool = release(pool, free)                        # freed slots' tables -> the scratch page
 
-Per layer, K, V and what the method keeps beside them (chunk summaries, Quant's 4-bit codes)
-live in pages `[N, Hkv, P, ...]` shared by every slot (`cache.KVCache` with a `table`); each
-slot has a page table `[S, NP]` and its own per-sequence fields (`pos`, `length`, Quant's
-per-channel grid). Page 0 is the scratch page: a free slot's table points only there, so the
+Per layer, K, V, their positions and what the method keeps beside them (chunk summaries,
+Quant's 4-bit codes) live in pages `[N, Hkv, P, ...]` shared by every slot (`cache.KVCache`
+with a `table`); each slot has a page table `[S, NP]` and its own per-sequence fields
+(`length`, `seen`, Quant's per-channel grid). Page 0 is the scratch page: a free slot's table points only there, so the
 garbage an idle slot decodes never lands in a page another request owns. A hybrid model's
 sliding layers keep their small per-slot window caches (no pages).
 
@@ -73,12 +73,12 @@ def _empty_cache(row: KVCache, slots: int, num_pages: int, p: int, npg: int) -> 
   width = p // cs if cs > 0 else 0
   rows = row.bounds_raw.shape[2]
   tile = lambda x: jnp.repeat(x, slots, axis=0)
-  pos = jnp.pad(row.pos, ((0, 0), (0, 0), (0, npg * p - row.capacity)), constant_values=-1)
   return KVCache(
       k_raw=jnp.zeros((num_pages, h, p, d), row.k_raw.dtype),
       v_raw=jnp.zeros((num_pages, h, p, d), row.v_raw.dtype),
       bounds_raw=jnp.zeros((num_pages, h, rows, width), row.bounds_raw.dtype),
-      pos=tile(pos), length=tile(row.length), seen=tile(row.seen), overflow=tile(row.overflow),
+      pos_raw=jnp.full((num_pages, h, p), -1, jnp.int32),
+      length=tile(row.length), seen=tile(row.seen), overflow=tile(row.overflow),
       table=jnp.full((slots, npg), SCRATCH, jnp.int32), chunk_size=cs,
       dtype_name=row.dtype_name, method=row.method, page_size=p)
 
@@ -92,10 +92,11 @@ def _write_cache(pool: KVCache, row: KVCache, slot, page_ids) -> KVCache:
   if row.chunk_size > 0:
     bounds_raw = put(bounds_raw, pages.cols_to_pages(row.bounds_raw[0], p // row.chunk_size,
                                                      npg))
-  pos = jnp.pad(row.pos, ((0, 0), (0, 0), (0, npg * p - row.capacity)), constant_values=-1)
+  pos = pages.to_pages(row.pos_raw[0][..., None], p, npg, fill=-1)[..., 0]  # [NP, H, P]
   at = lambda buf, x: lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), slot, 0)
   table = jnp.where(page_ids < pool.k_raw.shape[0], page_ids, SCRATCH).astype(jnp.int32)
-  return pool.replace(k_raw=k_raw, v_raw=v_raw, bounds_raw=bounds_raw, pos=at(pool.pos, pos),
+  return pool.replace(k_raw=k_raw, v_raw=v_raw, bounds_raw=bounds_raw,
+                      pos_raw=put(pool.pos_raw, pos),
                       length=at(pool.length, row.length), seen=at(pool.seen, row.seen),
                       overflow=at(pool.overflow, row.overflow),
                       table=at(pool.table, table[None]))
@@ -195,9 +196,10 @@ def _slot_leaves(g, fn, other=None):
   f = (lambda name, x=g: fn(getattr(x, name))) if other is None else (
       lambda name, x=g, y=other: fn(getattr(x, name), getattr(y, name)))
   if isinstance(g, KVCache):
-    new = {n: f(n) for n in ("pos", "length", "seen", "overflow", "table")}
+    new = {n: f(n) for n in ("length", "seen", "overflow", "table")}
     if other is not None:  # the pages as the other state has them
-      new.update(k_raw=other.k_raw, v_raw=other.v_raw, bounds_raw=other.bounds_raw)
+      new.update(k_raw=other.k_raw, v_raw=other.v_raw, bounds_raw=other.bounds_raw,
+                 pos_raw=other.pos_raw)
     return g.replace(**new)
   cache = _slot_leaves(g.cache, fn, None if other is None else other.cache)
   new = {n: f(n) for n in ("lo", "step") + (("v_sum",) if g.v_sum is not None else ())}
