@@ -1,15 +1,18 @@
 """The serving engine's paged KV pool: the batch state of `S` slots whose caches share pages.
 
-    pool = empty_pool(row, slots, pool_pages, page_size, pages_per_seq, spans, sliding)
-    pool = write_request(pool, row, slot, page_ids)   # one prefilled request into slot + pages
-    pool = release(pool, free)                        # freed slots' tables -> the scratch page
+    pool = empty_pool(row, S, N, P, NP, sliding)          # N pages of P tokens, NP per slot
+    pool = write_request(pool, row, slot, page_ids, sliding)  # a prefilled request moves in
+    pool = release(pool, free, sliding)                   # freed slots' tables -> scratch
+    pool = move_row(pool, src, dst, sliding)              # a request changes slot
+    sub = take_rows(pool, R, sliding); pool = put_rows(pool, sub, sliding)  # slots [0, R)
 
 Per layer, K, V, their positions and what the method keeps beside them (chunk summaries,
 Quant's 4-bit codes) live in pages `[N, Hkv, P, ...]` shared by every slot (`cache.KVCache`
 with a `table`); each slot has a page table `[S, NP]` and its own per-sequence fields
-(`length`, `seen`, Quant's per-channel grid). Page 0 is the scratch page: a free slot's table points only there, so the
-garbage an idle slot decodes never lands in a page another request owns. A hybrid model's
-sliding layers keep their small per-slot window caches (no pages).
+(`length`, `seen`, Quant's per-channel grid). Page 0 is the scratch page: a free slot's table
+points only there, so the garbage an idle slot decodes never lands in a page another request
+owns. A hybrid model's sliding layers keep their small per-slot window caches (no pages);
+`sliding` flags those groups of the `LayerStack`.
 
 `row` is one request's state as `llama.prefill(..., stacked=True)` makes it (a `LayerStack`
 of batch 1, contiguous caches of the plan's capacity); `write_request` copies its rows into
