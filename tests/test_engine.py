@@ -319,6 +319,24 @@ def test_paged_admission_waits_for_pages():
     assert h.result().token_ids == _reference(model, eng, rc, p, 12)
 
 
+def test_paged_admission_checks_what_stage1_kept():
+  """A state that keeps more tokens than the pages taken for it (a method whose kept-token bound
+  is wrong) ends its request with an error instead of reading the scratch page; the pool
+  stays consistent and the next request is exact."""
+  model, rc = _model(), CONFIGS["snapkv"]
+  eng = _engine(model, rc, page_size=16)
+  bound = eng._kept
+  eng._kept = lambda n: 1  # pylint: disable=protected-access
+  params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+  bad = eng.generate(_prompts((100,)), params)[0]
+  assert bad.finish_reason == "error" and "internal error" in bad.error
+  eng._kept = bound
+  p = _prompts((90,), seed=5)[0]
+  assert eng.generate([p], params)[0].token_ids == _reference(model, eng, rc, p, 4)
+  eng.step()
+  assert sorted(eng._free_pages) == list(range(1, eng.num_pages))
+
+
 def test_paged_config_errors():
   model = _model()
   with pytest.raises(ValueError, match="page_size must be None or an int >= 1"):

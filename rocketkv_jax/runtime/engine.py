@@ -567,7 +567,11 @@ class Engine:
     try:
       exe = self._admit_exe(bucket, args)
       t0 = time.perf_counter()
-      first, self.state = exe(*args)
+      if self.paged:
+        first, kept, self.state = exe(*args)
+        kept = int(kept)
+      else:
+        first, self.state = exe(*args)
       first = int(np.asarray(first)[0])
       self._counters["prefill_s"] += time.perf_counter() - t0
     except Exception as e:  # pylint: disable=broad-except
@@ -577,6 +581,12 @@ class Engine:
           self._slot_pages[slot] = []
         self._end(req, "error", f"prefill failed: {type(e).__name__}: {e}")
       raise
+    if self.paged and kept > self._kept(n):  # its pages were taken for _kept(n): never reached
+      with self._lock:
+        self._slots[slot] = req
+        self._free(slot, "error", f"internal error: a {self.plan.method} state kept {kept} "
+                   f"tokens of a {n}-token prompt, past the {self._kept(n)} its pages hold")
+      return
     with self._lock:
       self._slots[slot] = req
       self._last[slot], self._pos[slot], self._ngen[slot] = first, n, 1

@@ -118,13 +118,16 @@ def init_paged_program(params, tokens, lengths, *, config, plan, slots, num_page
 
 def admit_paged_program(params, state, tokens, lengths, slot, page_ids, temperature, top_p, seed,
                         min_tokens, eos, *, config, plan, sliding_groups, block_size, impl):
-  """`admit_program` into a paged pool: the request's rows go to pages `page_ids [NP]`."""
+  """`admit_program` into a paged pool: the request's rows go to pages `page_ids [NP]`.
+  Returns (token [1], the most tokens a layer kept (the engine checks its pages hold them),
+  state)."""
   logits, row = _prefill(params, tokens, lengths, config=config, plan=plan,
                          block_size=block_size, impl=impl)
   zero = jnp.zeros((1,), jnp.int32)
   first = sample_rows(logits, temperature, top_p, _keys(seed, zero),
                       _ban(eos, zero, min_tokens, logits.shape[-1]))
-  return first, paged_pool.write_request(state, row, slot, page_ids, sliding_groups)
+  return (first, paged_pool.kept_tokens(row, sliding_groups),
+          paged_pool.write_request(state, row, slot, page_ids, sliding_groups))
 
 
 def release_program(state, free, *, sliding_groups, **_):

@@ -162,6 +162,13 @@ def empty_pool(row: llama.LayerStack, slots: int, num_pages: int, page_size: int
   return row.replace(groups=tuple(out))
 
 
+def kept_tokens(row: llama.LayerStack, sliding_groups: tuple[bool, ...]) -> jax.Array:
+  """The most tokens a paged layer of the one-request state `row` holds (a scalar)."""
+  lengths = [getattr(g, "cache", g).length for slide, g in zip(sliding_groups, row.groups)
+             if not slide]
+  return jnp.max(jnp.stack([jnp.max(x) for x in lengths]))
+
+
 def write_request(pool: llama.LayerStack, row: llama.LayerStack, slot: jax.Array,
                   page_ids: jax.Array, sliding_groups: tuple[bool, ...]) -> llama.LayerStack:
   """`pool` with request `row` in slot `slot`: its caches' rows in pages `page_ids [NP]`
