@@ -400,7 +400,7 @@ def test_burst_past_max_waiting_gets_503_and_the_rest_complete(served):
     (["--block-size", "-1"], "--block-size must be >= 0 (0: no pages)"),
     (["--method", "magic"], "--method must be recommended or one of"),
     (["--budget", "0"], "--budget must be >= 1"),
-    (["--prefill-tokens-per-step", "0"], "--prefill-tokens-per-step must be >= 1"),
+    (["--prefill-tokens-per-step", "-1"], "--prefill-tokens-per-step must be >= 0"),
     (["--port", "70000"], "--port must be in"),
     (["--model", "/no/such/model"], "model must be one of"),
     (["--bogus"], "unrecognized arguments: --bogus"),

@@ -61,9 +61,11 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--steps-per-call", type=int, default=1,
                  help="decode steps per compiled call (default 1: a token per call, the "
                       "smoothest streaming)")
-  p.add_argument("--prefill-tokens-per-step", type=int, default=None,
+  p.add_argument("--prefill-tokens-per-step", type=int, default=2048,
                  help="admissions between two decode calls stop once their prompts reach this "
-                      "many tokens (default: fill every free slot first)")
+                      "many tokens, at least one admitted: a burst of long prompts stalls the "
+                      "running requests one prompt at a time; 0: fill every free slot first "
+                      "(default 2048)")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                  help="parameter and KV-cache dtype (default float32)")
   p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -96,8 +98,8 @@ def check(args: argparse.Namespace) -> None:
                "tensor_parallel_size"):
     if getattr(args, flag) < 1:
       raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-  if args.prefill_tokens_per_step is not None and args.prefill_tokens_per_step < 1:
-    raise UsageError(f"--prefill-tokens-per-step must be >= 1, got "
+  if args.prefill_tokens_per_step < 0:
+    raise UsageError(f"--prefill-tokens-per-step must be >= 0 (0: no limit), got "
                      f"{args.prefill_tokens_per_step}")
   if args.block_size < 0:
     raise UsageError(f"--block-size must be >= 0 (0: no pages), got {args.block_size}")
@@ -134,7 +136,7 @@ def build_engine(args: argparse.Namespace):
       rocket_config, max_model_len=max_model_len, max_new_tokens=args.max_new_tokens,
       max_num_seqs=args.max_num_seqs, kv_cache_mb=args.kv_cache_mb,
       max_waiting=args.max_waiting, steps_per_call=args.steps_per_call,
-      prefill_tokens_per_step=args.prefill_tokens_per_step, page_size=args.block_size or None))
+      prefill_tokens_per_step=args.prefill_tokens_per_step or None, page_size=args.block_size or None))
 
 
 def main(argv=None) -> None:
