@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 import rocketkv_jax as rocketkv
+from rocketkv_jax.eval import read_cost
 
 import bench_common
 
@@ -167,35 +168,9 @@ def layer_mean_read_bytes(plan, itemsize: int, num_layers: int, cached_tokens: i
 
 def stage2_read_bytes(plan, itemsize: int, num_kv_heads: int = HKV) -> int:
   """Bytes one decode step of `plan` must read in one of its sparse layers (per batch row; a
-  dense layer of `plan.skip_layers` reads its whole cache: `layer_mean_read_bytes`).
-
-  Per KV head:
-    minmax:  NC * r bounds (one of kmin / kmax per dim) + top_k K and V rows;
-    rerank:  NC * r bounds + M K rows (the M = min(ceil(factor * top_k), C) candidates, read
-             whole: their r dims score them and the top_k of them are attended from these rows)
-             + top_k V rows;
-    lowrank: NP * (R + 1) * D basis values (mean + R directions per page) + NP * P * R
-             coefficients + W * D keys of the exactly scored decode window (W = max_new_tokens,
-             read whole: the XLA step has a static shape) + top_k K and V rows;
-    quant:   r rows of C * bits / 8 packed code bytes + r fp32 grid steps + top_k K and V rows
-             (+ D fp32 values of the running value sum with `mean_value`).
-  """
-  d, c, s2 = plan.head_dim, plan.capacity, plan.stage2
-  rows = 2 * min(plan.top_k, c) * d
-  if isinstance(s2, rocketkv.LowRank):
-    w = min(plan.max_new_tokens, c)
-    p, r = s2.page_size, s2.rank
-    npg = max(1, -(-(c - w) // p))
-    n = npg * (r + 1) * d + npg * p * r + w * d + rows
-  elif isinstance(s2, rocketkv.Quant):  # codes are bytes, not cache items: counted apart below
-    code_bytes = plan.r * (-(-c * s2.bits // 8)) + plan.r * 4 + s2.mean_value * d * 4
-    return (rows * itemsize + code_bytes) * num_kv_heads
-  elif isinstance(s2, rocketkv.Rerank):
-    m = min(s2.candidates(plan.top_k), c)
-    n = plan.num_chunks * plan.r + (m + min(plan.top_k, c)) * d
-  else:
-    n = plan.num_chunks * plan.r + rows
-  return n * num_kv_heads * itemsize
+  dense layer of `plan.skip_layers` reads its whole cache: `layer_mean_read_bytes`). What is
+  counted per variant: `rocketkv_jax.eval.read_cost.head_read_bytes`."""
+  return read_cost.head_read_bytes(plan, itemsize) * num_kv_heads
 
 
 # `--stage2` names: RocketConfig.stage2's values, "quant_equal_read" for

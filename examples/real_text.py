@@ -95,6 +95,11 @@ def main(argv=None):
   p.add_argument("--compare", nargs=2, default=None, metavar=("A", "B"),
                  help="only print method A minus method B, paired per document, from the "
                       "results JSONs given with --results (runs on the same documents merge)")
+  p.add_argument("--plot", default=None, metavar="PNG",
+                 help="only draw nats/token lost vs KV bytes read per step from the results "
+                      "JSONs given with --results (one panel per model, probe and length)")
+  p.add_argument("--role", default="held out", choices=("held out", "calibration"),
+                 help="--plot: the held-out corpora pooled, or the calibration corpus")
   p.add_argument("--results", nargs="+", default=None, metavar="JSON")
   a = p.parse_args(argv)
   if a.compare is not None:
@@ -117,6 +122,20 @@ def main(argv=None):
     for r in rows:
       print(f"| {r['corpus']} | {r['probe']} | {r['length']} | {r['budget'] or '-'} | {r['n']} | "
             f"{r['delta']:+.3f} [{r['delta_lo']:+.3f}, {r['delta_hi']:+.3f}] |")
+    return
+  if a.plot is not None:
+    try:
+      if not a.results:
+        raise ValueError("--plot needs --results JSON [JSON ...]")
+      loaded = []
+      for path in a.results:
+        with open(path) as f:
+          loaded.append(json.load(f))
+      real_text.plot_fidelity(loaded, a.plot, role=a.role)
+    except (OSError, ValueError, KeyError, ImportError) as e:
+      print(f"error: {e}", file=sys.stderr)
+      raise SystemExit(2) from None
+    print(f"wrote {a.plot}")
     return
   if a.render is not None:
     try:

@@ -3,6 +3,7 @@ on the tiny random Llama with a byte tokenizer and synthetic documents of number
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 import rocketkv_jax as rocketkv
-from rocketkv_jax.eval import corpora, real_text as rt
+from rocketkv_jax.eval import corpora, read_cost, real_text as rt
+from rocketkv_jax.models.config import ModelConfig
 from eval_fixtures import ByteTokenizer, tiny_model
 
 N = 512  # context length of the model runs (bytes = tokens)
@@ -115,6 +117,8 @@ def test_full_is_exact_and_a_method_keeping_everything_matches_full():
     np.testing.assert_allclose(recs[p.doc]["logprobs"], lp, atol=2e-4)
   assert res["timing"][0]["method"] == "(prompt pass)"
   assert "### test (held out), recall, N = 512" in rt.markdown(res)
+  read = {(r["method"], r["budget"]): r["fraction"] for r in res["read_bytes"]}
+  assert read[("full", None)] == 1.0 and 0.0 < read[("rocketkv", 64)] < 0.5
 
 
 def test_bootstrap_intervals_match_numpy_reference():
@@ -210,3 +214,65 @@ def test_cli_user_errors_exit_2(capsys):
       cli.main(argv)
     assert e.value.code == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_read_bytes_per_method_by_hand():
+  """Bytes read per KV head and step, counted by hand for C = 1000 slots, D = 64, 2-byte rows:
+  full / snapkv read every K and V row; the paper's stage 2 one bound per r dim per chunk plus
+  top_k rows; the 4-bit codes r packed rows of C / 2 bytes plus r fp32 steps; exact top-k every
+  K row and top_k V rows. A hybrid model's sliding layers read their window."""
+  def plan(spec, ctx=952, new=48):
+    return rocketkv.plan(rt.variants.rocket_config(spec, 256), ctx, new, 64)
+
+  assert read_cost.head_read_bytes(plan("full"), 2) == 2 * 1000 * 64 * 2
+  p = plan("snapkv")
+  assert read_cost.head_read_bytes(p, 2) == 2 * p.capacity * 64 * 2
+  p = plan("rocketkv:capacity=1000,chunk_size=3,r=40")
+  assert (p.capacity, p.top_k) == (1000, 128)
+  assert read_cost.head_read_bytes(p, 2) == 334 * 40 * 2 + 2 * 128 * 64 * 2
+  p = plan("rocketkv:stage2=quant,capacity=1000,r=40")
+  assert read_cost.head_read_bytes(p, 2) == 40 * 500 + 40 * 4 + 2 * 128 * 64 * 2
+  p = plan("exact_topk:top_k=128")
+  assert read_cost.head_read_bytes(p, 4) == (1000 + 128) * 64 * 4
+  cfg_ = ModelConfig(vocab_size=16, hidden_size=64, intermediate_size=64, num_layers=3,
+                     num_heads=4, num_kv_heads=2, head_dim=64, sliding_window=100,
+                     layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+  p = plan("rocketkv:capacity=1000,chunk_size=3,r=40")
+  assert read_cost.step_read_bytes(p, cfg_, 2) == 2 * (
+      2 * (2 * 100 * 64 * 2) + 334 * 40 * 2 + 2 * 128 * 64 * 2)
+  p = plan("rocketkv:capacity=1000,chunk_size=3,r=40,skip_layers=1")  # layer 0 is sliding
+  dense = dataclasses.replace(cfg_, layer_types=None, sliding_window=None)
+  assert read_cost.step_read_bytes(p, dense, 2) == 2 * (
+      2 * 1000 * 64 * 2 + 2 * (334 * 40 * 2 + 2 * 128 * 64 * 2))
+
+
+def test_held_out_corpora_pool_and_plot(tmp_path):
+  """`pooled` pairs each held-out document with its own full KV and ignores the calibration
+  corpus; the markdown gains the pooled table; the plot is drawn from the read fractions."""
+  rng = np.random.default_rng(5)
+  recs, full_lp, m_lp = [], {}, {}
+  for corpus in ("python_docs", "kjv", "debian_handbook"):
+    for i in range(4):
+      f, m = rng.normal(-2, 0.4), rng.normal(-2.2, 0.4)
+      base = dict(corpus=corpus, doc=f"d{i}", probe="continuation", length=N, logprobs=[0.0],
+                  gold_top1=0.5)
+      recs.append(dict(base, method="full", budget=None, mean_logprob=f, agreement=1.0))
+      recs.append(dict(base, method="rocketkv", budget=64, mean_logprob=m, agreement=0.9))
+      full_lp[(corpus, i)], m_lp[(corpus, i)] = f, m
+  c = cfg(corpora=("python_docs", "kjv", "debian_handbook"), probes=("continuation",))
+  row = next(r for r in rt.pooled(recs, c) if r["method"] == "rocketkv")
+  held = [k for k in full_lp if k[0] != "python_docs"]
+  assert row["corpus"] == "debian_handbook+kjv" and row["n"] == 8
+  assert row["delta"] == pytest.approx(np.mean([m_lp[k] - full_lp[k] for k in held]), abs=1e-12)
+  res = dict(config=dict(rt.dataclasses.asdict(c)), records=recs, documents=[],
+             summary=rt.summarize(recs, c), timing=[], model=dict(name="tiny"),
+             read_bytes=[dict(length=N, method="full", budget=None, bytes=100, fraction=1.0),
+                         dict(length=N, method="rocketkv", budget=64, bytes=10, fraction=0.1)])
+  md = rt.markdown(res)
+  assert "### debian_handbook+kjv (held out), continuation, N = 512" in md
+  assert "| rocketkv | 64 | 0.100 | 8 |" in md
+  pytest.importorskip("matplotlib")
+  rt.plot_fidelity([res], str(tmp_path / "p.png"))
+  assert (tmp_path / "p.png").stat().st_size > 1000
+  with pytest.raises(ValueError, match="no held out rows"):
+    rt.plot_fidelity([dict(res, read_bytes=[])], str(tmp_path / "q.png"))

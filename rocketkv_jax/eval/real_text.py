@@ -40,7 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from rocketkv_jax.cache import cache_overflow
-from rocketkv_jax.eval import corpora as corpora_lib, runner as runner_lib, stats, variants
+from rocketkv_jax.eval import (corpora as corpora_lib, read_cost, runner as runner_lib, stats,
+                               variants)
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.precision import compute_params
 
@@ -500,6 +501,7 @@ def run(model, cfg: RealTextConfig, *, documents=None, tokenizer=None,
             agree=[bool(x) for x in agree]))
   return dict(
       config=dataclasses.asdict(cfg),
+      read_bytes=read_bytes(model, cfg),
       corpora=corpus_info,
       calibration=corpora_lib.CALIBRATION,
       documents=docs,
@@ -510,6 +512,100 @@ def run(model, cfg: RealTextConfig, *, documents=None, tokenizer=None,
       records=records,
       summary=summarize(records, cfg),
       timing=timing)
+
+
+def read_bytes(model, cfg: RealTextConfig) -> list[dict]:
+  """Per (length, method, budget): the KV bytes one decode step reads at the probe's last
+  target token (`read_cost.step_read_bytes`, one batch row, in the model's dtype), and that
+  as a fraction of full KV's at the same length."""
+  runner = runner_lib.Runner(model)
+  itemsize = jnp.dtype(model.params["embed"].dtype).itemsize
+  out = []
+  for length in cfg.lengths:
+    full = read_cost.step_read_bytes(runner.plan(FULL, max(cfg.budgets), length,
+                                                 cfg.target_tokens), model.config, itemsize)
+    for spec in cfg.methods:
+      for b in ((max(cfg.budgets),) if spec == FULL else cfg.budgets):
+        n = read_cost.step_read_bytes(runner.plan(spec, b, length, cfg.target_tokens),
+                                      model.config, itemsize)
+        out.append(dict(length=length, method=spec, budget=None if spec == FULL else b,
+                        bytes=n, fraction=n / full))
+  return out
+
+
+def config_of(results: list[dict]) -> RealTextConfig:
+  """The `RealTextConfig` of one or more runs' results: their corpora, lengths, methods and
+  budgets united (in order of first appearance), the first run's other settings."""
+  first = dict(results[0]["config"])
+  for key in ("corpora", "lengths", "methods", "budgets", "probes"):
+    first[key] = tuple(dict.fromkeys(v for res in results for v in res["config"][key]))
+  first["distance"] = tuple(first["distance"])
+  return RealTextConfig(**first)
+
+
+def pooled(records: list[dict], cfg: RealTextConfig) -> list[dict]:
+  """`summarize` over every held-out corpus at once, as one corpus named "a+b" (each document
+  still paired with its own full KV): a row's interval is over all their documents."""
+  names = sorted({r["corpus"] for r in records if r["corpus"] != corpora_lib.CALIBRATION})
+  held = [dict(r, corpus="+".join(names), doc=f"{r['corpus']}/{r['doc']}") for r in records
+          if r["corpus"] in names]
+  return summarize(held, cfg)
+
+
+def plot_fidelity(results: list[dict], path: str, *, role: str = "held out") -> None:
+  """nats/token lost against the share of full KV's bytes read per decode step: one panel per
+  (model, probe, length), one line per method through its budgets, 95% intervals as bars.
+  `results` are `run` outputs with their "model" entry (examples/real_text.py writes it);
+  runs of the same model merge (`merge_records`). `role`: "held out" pools the held-out
+  corpora (`pooled`), "calibration" reads the calibration corpus."""
+  from rocketkv_jax.eval.report import _pyplot  # matplotlib only where a plot is drawn
+
+  plt = _pyplot()
+  by_model: dict[str, list[dict]] = {}
+  for res in results:
+    by_model.setdefault(res.get("model", {}).get("name", "?"), []).append(res)
+  panels = []
+  for name, group in by_model.items():
+    cfg = config_of(group)
+    records = merge_records(group)
+    rows = (pooled(records, cfg) if role == "held out" else
+            [r for r in summarize(records, cfg) if r["role"] == "calibration"])
+    read = {(r["length"], r["method"], r["budget"]): r["fraction"]
+            for g in group for r in g.get("read_bytes", [])}
+    for probe in cfg.probes:
+      for length in sorted({r["length"] for r in rows}):
+        sel = [r for r in rows if r["probe"] == probe and r["length"] == length
+               and (length, r["method"], r["budget"]) in read]
+        if sel:
+          panels.append((f"{name}, {probe}, N = {length}", sel, read))
+  if not panels:
+    raise ValueError(f"no {role} rows with read bytes in the results to plot")
+  fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+  for ax, (title, sel, read) in zip(axes[0], panels):
+    for method in dict.fromkeys(r["method"] for r in sel):
+      if method == FULL:
+        continue
+      pts = sorted((read[(r["length"], method, r["budget"])], r) for r in sel
+                   if r["method"] == method)
+      xs = [x for x, _ in pts]
+      ys = [r["delta"] for _, r in pts]
+      err = [[r["delta"] - r["delta_lo"] for _, r in pts],
+             [r["delta_hi"] - r["delta"] for _, r in pts]]
+      ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=_label(method))
+      for x, (_, r) in zip(xs, pts):
+        ax.annotate(str(r["budget"]), (x, r["delta"]), textcoords="offset points",
+                    xytext=(4, 4), fontsize=7)
+    ax.axhline(0.0, color="k", lw=1)
+    ax.axhline(-0.05, color="k", ls=":", lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("KV bytes read per step / full KV's")
+    ax.set_ylabel("Δ log-prob / token vs full KV")
+    ax.set_title(title, fontsize=9)
+  axes[0][0].legend(fontsize=7)
+  fig.suptitle(f"real text, {role}: points are budgets B; dotted: -0.05 nats/token", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
 
 
 def _label(spec: str) -> str:
@@ -526,7 +622,11 @@ def markdown(results: dict) -> str:
   agreement with intervals; then the time per probe of each (length, method, budget). The
   recommended configuration shows as `recommended` (`variants.ALIASES`)."""
   out = []
-  rows = results["summary"]
+  rows = list(results["summary"])
+  if sum(c != corpora_lib.CALIBRATION for c in results["config"]["corpora"]) > 1:
+    rows += pooled(results["records"], config_of([results]))  # one interval over them all
+  read = {(r["length"], r["method"], r["budget"]): r["fraction"]
+          for r in results.get("read_bytes", [])}
   keys = []
   for r in rows:
     k = (r["corpus"], r["role"], r["probe"], r["length"])
@@ -534,12 +634,14 @@ def markdown(results: dict) -> str:
       keys.append(k)
   for corpus, role, probe, length in keys:
     out.append(f"### {corpus} ({role}), {probe}, N = {length}\n")
-    out.append("| method | B | n docs | Δ log-prob / token vs full [95% CI] | "
-               "top-1 agreement with full [95% CI] |")
-    out.append("| --- | --- | --- | --- | --- |")
+    out.append("| method | B | read / step (of full) | n docs | Δ log-prob / token vs full "
+               "[95% CI] | top-1 agreement with full [95% CI] |")
+    out.append("| --- | --- | --- | --- | --- | --- |")
     sel = [r for r in rows if (r["corpus"], r["probe"], r["length"]) == (corpus, probe, length)]
     for r in sel:
+      frac = read.get((r["length"], r["method"], r["budget"]))
       out.append(f"| {_label(r['method'])} | {r['budget'] if r['budget'] is not None else '-'} | "
+                 f"{'-' if frac is None else f'{frac:.3f}'} | "
                  f"{r['n']} | {_ci(r['delta'], r['delta_lo'], r['delta_hi'])} | "
                  f"{_ci(r['agreement'], r['agreement_lo'], r['agreement_hi'], '{:.3f}')} |")
     full = sel[0]
