@@ -276,3 +276,20 @@ def test_held_out_corpora_pool_and_plot(tmp_path):
   assert (tmp_path / "p.png").stat().st_size > 1000
   with pytest.raises(ValueError, match="no held out rows"):
     rt.plot_fidelity([dict(res, read_bytes=[])], str(tmp_path / "q.png"))
+
+
+def test_by_position_buckets_against_numpy():
+  """The position table: per bucket of target positions, the mean over documents of the
+  method's log-probs minus full KV's on those positions; short targets drop out of late ones."""
+  rng = np.random.default_rng(2)
+  recs, diffs = [], []
+  for i, n in enumerate((48, 48, 10)):
+    f, m = rng.normal(-2, 1, n), rng.normal(-2, 1, n)
+    base = dict(corpus="test", doc=f"d{i}", probe="continuation", length=N)
+    recs.append(dict(base, method="full", budget=None, logprobs=list(f)))
+    recs.append(dict(base, method="rocketkv", budget=64, logprobs=list(m)))
+    diffs.append(m - f)
+  (row,) = rt.by_position(recs)
+  assert row["1-4"] == (pytest.approx(np.mean([d[:4].mean() for d in diffs])), 3)
+  assert row["5-16"] == (pytest.approx(np.mean([d[4:16].mean() for d in diffs])), 3)
+  assert row["17-48"] == (pytest.approx(np.mean([d[16:48].mean() for d in diffs[:2]])), 2)

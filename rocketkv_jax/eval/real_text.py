@@ -516,10 +516,11 @@ def run(model, cfg: RealTextConfig, *, documents=None, tokenizer=None,
 
 def read_bytes(model, cfg: RealTextConfig) -> list[dict]:
   """Per (length, method, budget): the KV bytes one decode step reads at the probe's last
-  target token (`read_cost.step_read_bytes`, one batch row, in the model's dtype), and that
-  as a fraction of full KV's at the same length."""
+  target token (`read_cost.step_read_bytes`, one batch row), and that as a fraction of full
+  KV's at the same length. Counted at 2 bytes per K/V value, as a served bf16 / fp16 cache
+  holds them (and as the 4-bit codes' equal read is defined), whatever dtype the run used."""
   runner = runner_lib.Runner(model)
-  itemsize = jnp.dtype(model.params["embed"].dtype).itemsize
+  itemsize = 2
   out = []
   for length in cfg.lengths:
     full = read_cost.step_read_bytes(runner.plan(FULL, max(cfg.budgets), length,
@@ -531,6 +532,32 @@ def read_bytes(model, cfg: RealTextConfig) -> list[dict]:
         out.append(dict(length=length, method=spec, budget=None if spec == FULL else b,
                         bytes=n, fraction=n / full))
   return out
+
+
+POSITION_BUCKETS = ((1, 4), (5, 16), (17, 48))  # target positions after the context, 1-based
+
+
+def by_position(records: list[dict], buckets=POSITION_BUCKETS) -> list[dict]:
+  """Per (corpus, probe, length, method, budget) and bucket of target positions: the mean over
+  documents of the method's mean log-prob minus full KV's on those positions (a document
+  counts where its target reaches the bucket). Where after the context a method loses."""
+  full = {(r["corpus"], r["doc"], r["probe"], r["length"]): r["logprobs"] for r in records
+          if r["method"] == FULL}
+  groups: dict[tuple, list] = {}
+  for r in records:
+    if r["method"] != FULL:
+      groups.setdefault((r["corpus"], r["probe"], r["length"], r["method"], r["budget"]),
+                        []).append(r)
+  rows = []
+  for (corpus, probe, length, method, budget), rs in groups.items():
+    row = dict(corpus=corpus, probe=probe, length=length, method=method, budget=budget)
+    for lo, hi in buckets:
+      d = [np.mean(np.subtract(r["logprobs"][lo - 1:hi],
+                               full[(corpus, r["doc"], probe, length)][lo - 1:hi]))
+           for r in rs if len(r["logprobs"]) >= lo]
+      row[f"{lo}-{hi}"] = (float(np.mean(d)) if d else None, len(d))
+    rows.append(row)
+  return rows
 
 
 def config_of(results: list[dict]) -> RealTextConfig:
@@ -648,6 +675,17 @@ def markdown(results: dict) -> str:
     out.append(f"\nfull KV: mean log-prob / token {full['full_logprob']:.3f}, gold token is its "
                f"top-1 at {full['full_top1']:.3f} of positions; {full['target_tokens']} scored "
                "tokens per method.\n")
+  pos = by_position(results["records"])
+  if pos:
+    names = [f"{lo}-{hi}" for lo, hi in POSITION_BUCKETS]
+    out.append("### Δ log-prob / token vs full by target position (docs counted)\n")
+    out.append("| corpus | probe | N | method | B | " + " | ".join(names) + " |")
+    out.append("| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " |")
+    for r in pos:
+      cells = ["-" if r[n][0] is None else f"{r[n][0]:+.3f} ({r[n][1]})" for n in names]
+      out.append(f"| {r['corpus']} | {r['probe']} | {r['length']} | {_label(r['method'])} | "
+                 f"{r['budget']} | " + " | ".join(cells) + " |")
+    out.append("")
   out.append("### Time (this machine)\n")
   out.append("| N | method | B | probes | compile s | run s | s per probe |")
   out.append("| --- | --- | --- | --- | --- | --- | --- |")
