@@ -21,6 +21,14 @@ tests check them (design and estimates: docs/tpu.md):
 - `tpu_quant_slot_logits`: `stage2="quant"` per-slot logits from whole blocks of the packed key
   codes, as bf16 MXU products (== methods/stage2/quant.slot_logits_xla).
 
+Paged (the serving engine's pool: pages `[N, Hkv, P, ...]` and a page table `[B, NP]`,
+`rocketkv_jax/pages.py`), `paged_*.py`, each with a jnp reference beside it:
+
+- `paged_sparse_attention`: the selected rows gathered from their pages through the table
+  (== attend.paged_sparse_attention_xla).
+- `paged_approx_bounds_scores`: chunk scores from the summary pages (== select.paged_approx_scores_xla).
+- `paged_quant_slot_logits`: code logits from the code pages (== quant.slot_logits_xla, paged).
+
 Status, correctness on a GPU and timings: docs/kernels.md. Block sizes, split counts and warps
 are static keyword arguments with untuned defaults; `benchmarks/kernel_bench.py` checks and times
 them. fp32 operands use IEEE fp32 (never TF32).
@@ -28,6 +36,9 @@ jax 0.11 deprecates the Pallas Triton backend.
 """
 
 from .approx_scores import approx_bounds_scores, approx_chunk_scores
+from .paged_approx_scores import paged_approx_bounds_scores
+from .paged_quant_scores import paged_quant_slot_logits
+from .paged_sparse_attention import paged_sparse_attention
 from .quant_scores import quant_slot_logits
 from .sparse_attention import sparse_attention
 from .tpu_approx_scores import tpu_approx_bounds_scores
@@ -35,6 +46,7 @@ from .tpu_quant_scores import tpu_quant_slot_logits
 from .tpu_sparse_attention import tpu_sparse_attention
 from .window_scores import window_scores
 
-__all__ = ["approx_bounds_scores", "approx_chunk_scores", "quant_slot_logits", "sparse_attention",
-           "tpu_approx_bounds_scores", "tpu_quant_slot_logits", "tpu_sparse_attention",
-           "window_scores"]
+__all__ = ["approx_bounds_scores", "approx_chunk_scores", "paged_approx_bounds_scores",
+           "paged_quant_slot_logits", "paged_sparse_attention", "quant_slot_logits",
+           "sparse_attention", "tpu_approx_bounds_scores", "tpu_quant_slot_logits",
+           "tpu_sparse_attention", "window_scores"]

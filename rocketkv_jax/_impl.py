@@ -16,7 +16,9 @@ on a CPU host and exported for CUDA or TPU therefore carries that platform's ker
                    semaphores), on whatever runs them (tests)
 
 A function without a kernel for a platform runs its XLA path there (TPU: stage 1's window
-scores; the fused GPU select + attend runs as its two steps).
+scores; the fused GPU select + attend runs as its two steps). A paged cache (the serving
+engine's pool) runs the paged kernels (kernels/paged_*.py) at its stage-2 reads and sparse
+attention, and the fused select + attend as its two steps; its dense attention (full KV) is XLA.
 
 `impl="pallas"` names the compiled kernels, never an interpret mode. Its platform is checked when
 the call is traced (`check`, a ValueError): the platforms being exported for inside
@@ -83,12 +85,18 @@ def check(impl: str) -> None:
             f"modes; to export from this host use impl='auto' or rocketkv.export_decode_step)")
 
 
+# The impls a paged cache (`KVCache.table`) runs: the paged kernels read the pool through its
+# page table (kernels/paged_*.py); "interpret_tpu" waits for the TPU ones.
+PAGED_IMPLS = ("auto", "xla", "pallas", "interpret")
+
+
 def for_pages(impl: str) -> str:
-  """The impl a paged cache runs: the XLA path (the kernels read contiguous caches)."""
+  """`impl` for a paged cache's stage-2 reads and sparse attention (ValueError for an impl with
+  no paged kernels yet)."""
   check(impl)
-  require(impl in ("auto", "xla"), f"impl must be 'auto' or 'xla' for a paged cache (the "
-          f"kernels read contiguous caches), got {impl!r}")
-  return "xla"
+  require(impl in PAGED_IMPLS, f"impl must be one of {PAGED_IMPLS} for a paged cache, got "
+          f"{impl!r}")
+  return impl
 
 
 def _call(kernel: str | Callable[[bool], object] | None, interpret: bool, args, kwargs):

@@ -189,9 +189,12 @@ def attend(q: jax.Array, cache: KVCache, idx: jax.Array | None = None, *,
     sel_valid = (jnp.take_along_axis(valid_slots(cache, sliding_window), clipped, axis=2)
                  & (idx >= 0) & (idx < cache.capacity))
   idx = clipped
-  if cache.paged:
-    _impl.for_pages(impl)
-    return paged_sparse_attention_xla(q, cache, idx, sel_valid)
+  if cache.paged:  # the rows read through the page table (kernels/paged_sparse_attention.py)
+    impl = _impl.for_pages(impl)
+    k_pages, v_pages = (from_storage(x, cache.dtype) for x in (cache.k_raw, cache.v_raw))
+    return _impl.dispatch(impl, lambda: paged_sparse_attention_xla(q, cache, idx, sel_valid),
+                          "paged_sparse_attention", q, k_pages, v_pages, cache.table, idx,
+                          sel_valid, page_size=cache.page_size)
   return _impl.dispatch(impl, lambda: sparse_attention_xla(q, cache.k, cache.v, idx, sel_valid),
                         "sparse_attention", q, cache.k, cache.v, idx, sel_valid,
                         tpu="tpu_sparse_attention")

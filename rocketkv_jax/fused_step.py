@@ -8,7 +8,8 @@ the variant's own unfused select-then-attend. Under `impl="auto"` or `"pallas"` 
 selection + attention) instead of the chain; on TPU the chain runs with the TPU kernels
 (`_impl`); `impl="xla"` and every other platform under "auto" run the XLA chain.
 Caches the fused kernels do not take (a sliding window, a head dim that is not a power of two
->= 16) run the chain with the same `impl`; a paged cache runs the XLA chain.
+>= 16) run the chain with the same `impl`; so does a paged cache (the chain's paged kernels,
+kernels/paged_*.py).
 """
 
 from __future__ import annotations

@@ -217,9 +217,12 @@ def check_chunks(cache: KVCache, chunk_size: int) -> None:
 def approx_scores(q: jax.Array, cache: KVCache, r: int, *, group_dims: str = "sum",
                   impl: str = "auto") -> jax.Array:
   """RocketKV / SparQ chunk scores `[B, Hkv, NC]` of the cache's summaries (kernel or XLA)."""
-  if cache.paged:
-    _impl.for_pages(impl)
-    return paged_approx_scores_xla(q, cache, r, group_dims)
+  if cache.paged:  # the summary pages read through the table (kernels/paged_approx_scores.py)
+    impl = _impl.for_pages(impl)
+    return _impl.dispatch(
+        impl, lambda: paged_approx_scores_xla(q, cache, r, group_dims),
+        "paged_approx_bounds_scores", q, from_storage(cache.bounds_raw, cache.dtype),
+        cache.table, cache.length, chunk_size=cache.chunk_size, r=r, group_dims=group_dims)
   return _impl.dispatch(
       impl, lambda: approx_bounds_scores_xla(q, cache.bounds, cache.length, cache.chunk_size, r,
                                              group_dims),

@@ -290,10 +290,12 @@ def _fused_logits(qs: jax.Array, rows: jax.Array, bits: int) -> list[jax.Array]:
 def slot_logits(q: jax.Array, state: QuantState, r: int, *, group_dims: str = "sum",
                 impl: str = "auto") -> jax.Array:
   """`slot_logits_xla`, or a Pallas kernel as `impl` picks: `kernels.quant_slot_logits` on a
-  GPU, `kernels.tpu_quant_slot_logits` on TPU."""
-  if state.cache.paged:
-    _impl.for_pages(impl)
-    return slot_logits_xla(q, state, r, group_dims)
+  GPU, `kernels.tpu_quant_slot_logits` on TPU (their `paged_*` forms for a paged state)."""
+  if state.cache.paged:  # the code pages read through the table (kernels/paged_quant_scores.py)
+    impl = _impl.for_pages(impl)
+    return _impl.dispatch(impl, lambda: slot_logits_xla(q, state, r, group_dims),
+                          "paged_quant_slot_logits", q, state.codes, state.step,
+                          state.cache.table, r=r, bits=state.bits, group_dims=group_dims)
   return _impl.dispatch(impl, lambda: slot_logits_xla(q, state, r, group_dims),
                         "quant_slot_logits", q, state.codes, state.step, r=r, bits=state.bits,
                         capacity=state.cache.capacity, group_dims=group_dims,
