@@ -28,6 +28,9 @@ Paged (the serving engine's pool: pages `[N, Hkv, P, ...]` and a page table `[B,
   (== attend.paged_sparse_attention_xla).
 - `paged_approx_bounds_scores`: chunk scores from the summary pages (== select.paged_approx_scores_xla).
 - `paged_quant_slot_logits`: code logits from the code pages (== quant.slot_logits_xla, paged).
+- TPU, `paged_tpu_*.py`: `tpu_paged_sparse_attention`, `tpu_paged_approx_bounds_scores`,
+  `tpu_paged_quant_slot_logits`, the same results with the pool's page as the unit of DMA (the
+  page table scalar-prefetched, whole pages copied HBM -> VMEM by async copies).
 
 Status, correctness on a GPU and timings: docs/kernels.md. Block sizes, split counts and warps
 are static keyword arguments with untuned defaults; `benchmarks/kernel_bench.py` checks and times
@@ -39,6 +42,9 @@ from .approx_scores import approx_bounds_scores, approx_chunk_scores
 from .paged_approx_scores import paged_approx_bounds_scores
 from .paged_quant_scores import paged_quant_slot_logits
 from .paged_sparse_attention import paged_sparse_attention
+from .paged_tpu_approx_scores import tpu_paged_approx_bounds_scores
+from .paged_tpu_quant_scores import tpu_paged_quant_slot_logits
+from .paged_tpu_sparse_attention import tpu_paged_sparse_attention
 from .quant_scores import quant_slot_logits
 from .sparse_attention import sparse_attention
 from .tpu_approx_scores import tpu_approx_bounds_scores
@@ -48,5 +54,6 @@ from .window_scores import window_scores
 
 __all__ = ["approx_bounds_scores", "approx_chunk_scores", "paged_approx_bounds_scores",
            "paged_quant_slot_logits", "paged_sparse_attention", "quant_slot_logits",
-           "sparse_attention", "tpu_approx_bounds_scores", "tpu_quant_slot_logits",
+           "sparse_attention", "tpu_approx_bounds_scores", "tpu_paged_approx_bounds_scores",
+           "tpu_paged_quant_slot_logits", "tpu_paged_sparse_attention", "tpu_quant_slot_logits",
            "tpu_sparse_attention", "window_scores"]

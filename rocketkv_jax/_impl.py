@@ -86,13 +86,13 @@ def check(impl: str) -> None:
 
 
 # The impls a paged cache (`KVCache.table`) runs: the paged kernels read the pool through its
-# page table (kernels/paged_*.py); "interpret_tpu" waits for the TPU ones.
-PAGED_IMPLS = ("auto", "xla", "pallas", "interpret")
+# page table (kernels/paged_*.py), the GPU and the TPU ones.
+PAGED_IMPLS = IMPLS + (TPU,)
 
 
 def for_pages(impl: str) -> str:
-  """`impl` for a paged cache's stage-2 reads and sparse attention (ValueError for an impl with
-  no paged kernels yet)."""
+  """`impl` for a paged cache's stage-2 reads and sparse attention, where every impl has its
+  paged kernels (a one-line ValueError names the allowed ones otherwise)."""
   check(impl)
   require(impl in PAGED_IMPLS, f"impl must be one of {PAGED_IMPLS} for a paged cache, got "
           f"{impl!r}")

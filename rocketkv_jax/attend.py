@@ -194,7 +194,8 @@ def attend(q: jax.Array, cache: KVCache, idx: jax.Array | None = None, *,
     k_pages, v_pages = (from_storage(x, cache.dtype) for x in (cache.k_raw, cache.v_raw))
     return _impl.dispatch(impl, lambda: paged_sparse_attention_xla(q, cache, idx, sel_valid),
                           "paged_sparse_attention", q, k_pages, v_pages, cache.table, idx,
-                          sel_valid, page_size=cache.page_size)
+                          sel_valid, page_size=cache.page_size,
+                          tpu="tpu_paged_sparse_attention")
   return _impl.dispatch(impl, lambda: sparse_attention_xla(q, cache.k, cache.v, idx, sel_valid),
                         "sparse_attention", q, cache.k, cache.v, idx, sel_valid,
                         tpu="tpu_sparse_attention")

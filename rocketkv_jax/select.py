@@ -222,7 +222,8 @@ def approx_scores(q: jax.Array, cache: KVCache, r: int, *, group_dims: str = "su
     return _impl.dispatch(
         impl, lambda: paged_approx_scores_xla(q, cache, r, group_dims),
         "paged_approx_bounds_scores", q, from_storage(cache.bounds_raw, cache.dtype),
-        cache.table, cache.length, chunk_size=cache.chunk_size, r=r, group_dims=group_dims)
+        cache.table, cache.length, chunk_size=cache.chunk_size, r=r, group_dims=group_dims,
+        tpu="tpu_paged_approx_bounds_scores")
   return _impl.dispatch(
       impl, lambda: approx_bounds_scores_xla(q, cache.bounds, cache.length, cache.chunk_size, r,
                                              group_dims),

@@ -41,6 +41,8 @@ TOL = dict(rtol=2e-5, atol=2e-6)
 KERNELS = {
     "interpret": (kernels.paged_sparse_attention, kernels.paged_approx_bounds_scores,
                   kernels.paged_quant_slot_logits),
+    "interpret_tpu": (kernels.tpu_paged_sparse_attention, kernels.tpu_paged_approx_bounds_scores,
+                      kernels.tpu_paged_quant_slot_logits),
 }
 
 
@@ -101,7 +103,8 @@ def _cache(case, seed=0):
 
 
 @pytest.mark.parametrize("impl", list(KERNELS))
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + [
+    (2, 4, 2, 16, 64, 2, 4, (100, 50), 4, 40)])  # pages of 64 rows: two bitmask words (TPU)
 def test_paged_sparse_attention(impl, case):
   b, hq, hkv, d, p, npg, cs, lengths, r, k = case
   rng, flat, paged = _cache(case)
@@ -137,8 +140,8 @@ def _top(scores, cache, cs, k):
 
 
 @pytest.mark.parametrize("impl", list(KERNELS))
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("group_dims", ["sum", "normalized"])
+@pytest.mark.parametrize("case,group_dims", [(CASES[0], "sum"), (CASES[1], "normalized"),
+                                             (CASES[2], "sum")])
 def test_paged_approx_scores(impl, case, group_dims):
   b, hq, hkv, d, p, npg, cs, lengths, r, k = case
   rng, flat, paged = _cache(case, seed=1)
@@ -169,8 +172,7 @@ def _quant_states(case, bits, seed=2):
 
 
 @pytest.mark.parametrize("impl", list(KERNELS))
-@pytest.mark.parametrize("case,bits", [(CASES[0], 4), (CASES[1], 2), (CASES[2], 8),
-                                       (CASES[1], 1)])
+@pytest.mark.parametrize("case,bits", [(CASES[0], 4), (CASES[1], 1), (CASES[2], 8)])
 def test_paged_quant_slot_logits(impl, case, bits):
   b, hq, hkv, d, p, npg, cs, lengths, r, k = case
   rng, plan, flat, paged = _quant_states(case, bits)
@@ -206,15 +208,16 @@ DECODE_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("impl", list(KERNELS))
-@pytest.mark.parametrize("name,page", [("rocketkv", 8), ("recommended", 4)])
+# each (config, impl) pair not in the model steps below
+@pytest.mark.parametrize("impl,name,page", [("interpret", "recommended", 4),
+                                            ("interpret_tpu", "rocketkv", 8)])
 def test_paged_decode_step_matches_xla(impl, name, page):
   """Steps of `decode_step` on a paged state (stage-2 kernel, then the attention kernel) give
   impl="xla"'s outputs, and `select` the same slots."""
   rng, plan, state, (b, hq, hkv, d) = _paged_decode_inputs(DECODE_CONFIGS[name], page)
   assert pool_of(state).paged
   states = {"xla": state, impl: state}
-  for _ in range(3):
+  for _ in range(2):
     q = _normal(rng, (b, hq, d))
     kn, vn = (_normal(rng, (b, hkv, 1, d)) for _ in range(2))
     outs = {}
@@ -239,8 +242,8 @@ def _kernel_names(fn, *args):
           if w.startswith("rocketkv_")}
 
 
-@pytest.mark.parametrize("impl", list(KERNELS))
-@pytest.mark.parametrize("name", ["rocketkv", "recommended"])
+@pytest.mark.parametrize("impl,name", [("interpret", "rocketkv"),
+                                       ("interpret_tpu", "recommended")])
 def test_paged_model_step_matches_xla(impl, name):
   """A tiny Llama's decode steps over a paged pool of three requests (the engine's programs:
   prefill, `paged_pool.write_request` into scrambled pages, `llama.decode_step`): impl=`impl`
@@ -257,11 +260,12 @@ def test_paged_model_step_matches_xla(impl, name):
   npg = -(-plan.capacity // p)
   rng = np.random.default_rng(6)
   lengths = (128, 70, 101)
+  prefill = jax.jit(functools.partial(engine_programs._prefill, config=cfg, plan=plan,
+                                      block_size=64, impl="xla"))
   rows = []
   for n in lengths:
     tokens = jnp.asarray(np.pad(rng.integers(3, 256, n), (0, 128 - n))[None], jnp.int32)
-    rows.append(engine_programs._prefill(params, tokens, jnp.asarray([n], jnp.int32),
-                                         config=cfg, plan=plan, block_size=64, impl="xla")[1])
+    rows.append(prefill(params, tokens, jnp.asarray([n], jnp.int32))[1])
   sliding = (False,) * len(rows[0].groups)
   num_pages = len(lengths) * npg + 2
   pool = paged_pool.empty_pool(rows[0], len(lengths), num_pages, p, npg, sliding)
@@ -314,7 +318,7 @@ def _triton_modules(text):
   return out
 
 
-@pytest.mark.parametrize("platform", ["cuda"])
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("name", ["rocketkv", "recommended"])
 def test_paged_step_exports(platform, name):
   """A jitted paged decode step under impl="auto", exported from this CPU host, carries the

@@ -295,7 +295,8 @@ def slot_logits(q: jax.Array, state: QuantState, r: int, *, group_dims: str = "s
     impl = _impl.for_pages(impl)
     return _impl.dispatch(impl, lambda: slot_logits_xla(q, state, r, group_dims),
                           "paged_quant_slot_logits", q, state.codes, state.step,
-                          state.cache.table, r=r, bits=state.bits, group_dims=group_dims)
+                          state.cache.table, r=r, bits=state.bits, group_dims=group_dims,
+                          tpu="tpu_paged_quant_slot_logits")
   return _impl.dispatch(impl, lambda: slot_logits_xla(q, state, r, group_dims),
                         "quant_slot_logits", q, state.codes, state.step, r=r, bits=state.bits,
                         capacity=state.cache.capacity, group_dims=group_dims,
