@@ -190,6 +190,39 @@ def test_paged_quant_slot_logits(impl, case, bits):
   np.testing.assert_array_equal(pick(out), pick(quant.slot_logits_xla(q, flat, r)))
 
 
+@pytest.mark.parametrize("impl", list(KERNELS))
+def test_bf16_pool_through_dispatch(impl):
+  """A bf16 pool (stored as uint16 bits on this CPU) through the call sites' dispatch: `attend`
+  and `approx_scores` with `impl` give impl="xla"'s numbers to bf16 rounding, the same slots."""
+  from rocketkv_jax.attend import attend
+  from rocketkv_jax.select import approx_scores
+  b, hq, hkv, d, p, npg, cs, lengths, r, k = CASES[1]
+  rng = np.random.default_rng(7)
+  c = p * npg
+  kk, vv = (_normal(rng, (b, hkv, c, d)).astype(jnp.bfloat16) for _ in range(2))
+  flat = full_cache(kk, vv, c, cs, jnp.asarray(lengths, jnp.int32))
+  paged = _to_pages(flat, p, b * npg + 3, 1, 7)
+  q = _normal(rng, (b, hq, d)).astype(jnp.bfloat16)
+  idx = jnp.asarray(np.stack([rng.permutation(c)[:k] for _ in range(b * hkv)]).reshape(b, hkv, k),
+                    jnp.int32)  # no slot twice (`attend`'s contract)
+  np.testing.assert_allclose(np.asarray(attend(q, paged, idx, impl=impl), np.float32),
+                             np.asarray(attend(q, paged, idx, impl="xla"), np.float32),
+                             rtol=1e-2, atol=1e-2)
+  scores = {w: approx_scores(q, paged, r, impl=w) for w in (impl, "xla")}
+  np.testing.assert_allclose(scores[impl], scores["xla"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(_top(scores[impl], flat, cs, k), _top(scores["xla"], flat, cs, k))
+
+
+def test_pallas_on_cpu_is_a_value_error():
+  """impl="pallas" names the compiled kernels: on this CPU host a paged read is the one-line
+  ValueError, as on a contiguous cache."""
+  from rocketkv_jax.attend import attend
+  rng, flat, paged = _cache(CASES[0])
+  q = _normal(rng, (2, 4, 32))
+  with pytest.raises(ValueError, match=r"^impl='pallas' needs a platform in \('cuda', 'tpu'\)"):
+    attend(q, paged, jnp.zeros((2, 2, 3), jnp.int32), impl="pallas")
+
+
 # ---------------------------------------------------------------- decode steps on pages
 def _paged_decode_inputs(config, page):
   rng = np.random.default_rng(4)
