@@ -367,3 +367,29 @@ def test_paged_step_exports(platform, name):
     assert f"rocketkv_{prefix}{kernel}" in text
   if platform == "cuda":
     assert len(_triton_modules(text)) == 2
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_kernels_export_at_llama_shapes(platform):
+  """Each paged kernel alone at Llama-3.1-8B shapes (Hq 32, Hkv 8, D 128, bf16), batch 8, pages
+  of 16, a pool of 8K pages, 1024 pages per sequence, top_k 1024, r 81: exported for the
+  platform from `jax.ShapeDtypeStruct`s (the Triton modules verify)."""
+  from rocketkv_jax.export import export_function
+  s, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+  b, hq, hkv, d, p, npg, n, k, r = 8, 32, 8, 128, 16, 1024, 8 * 1024 + 1, 1024, 81
+  q, table = s((b, hq, d), bf), s((b, npg), jnp.int32)
+  kv, idx = s((n, hkv, p, d), bf), s((b, hkv, k), jnp.int32)
+  pre = "" if platform == "cuda" else "tpu_"
+  calls = [("paged_sparse_attention", (q, kv, kv, table, idx, s(idx.shape, jnp.bool_)),
+            dict(page_size=p)),
+           ("paged_approx_bounds_scores", (q, s((n, hkv, 2 * d, p // 2), bf), table,
+                                           s((b,), jnp.int32)), dict(chunk_size=2, r=r)),
+           ("paged_quant_slot_logits", (q, s((n, hkv, d, p // 2), jnp.uint8),
+                                        s((b, hkv, d), F32), table), dict(r=r, bits=4))]
+  for name, args, kw in calls:
+    fn = functools.partial(getattr(kernels, pre + name), **kw)
+    text = export_function(fn, *args, platforms=(platform,)).mlir_module()
+    if platform == "cuda":
+      assert len(_triton_modules(text)) == 1
+    else:
+      assert text.count("tpu_custom_call") == 1
