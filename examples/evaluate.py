@@ -10,6 +10,9 @@
     # multi-turn: rocketkv vs rocketkv_mt vs full, scored per turn
     python examples/evaluate.py --tasks multiturn --lengths 2048 --budgets 256
 
+    # real-text fidelity (docs/real_text.md): the arguments of examples/real_text.py
+    python examples/evaluate.py real-text --corpora python_docs --lengths 4096 --budgets 256
+
 Needs the eval extra for its plots: pip install -e ".[eval]".
 
 Writes <out>/<name>.json (config + per-sample records), <name>.md (tables),
@@ -139,6 +142,11 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
+  if argv[:1] == ["real-text"]:  # the real-text fidelity probes: examples/real_text.py
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import real_text
+
+    return real_text.main(argv[1:])
   try:
     full_argv, saved, _ = resumed_argv(argv)
   except ValueError as e:

@@ -293,3 +293,14 @@ def test_by_position_buckets_against_numpy():
   assert row["1-4"] == (pytest.approx(np.mean([d[:4].mean() for d in diffs])), 3)
   assert row["5-16"] == (pytest.approx(np.mean([d[4:16].mean() for d in diffs])), 3)
   assert row["17-48"] == (pytest.approx(np.mean([d[16:48].mean() for d in diffs[:2]])), 2)
+
+
+def test_evaluate_forwards_real_text(capsys):
+  """`examples/evaluate.py real-text ...` is examples/real_text.py with the same arguments."""
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+  import evaluate
+
+  with pytest.raises(SystemExit) as e:
+    evaluate.main(["real-text", "--corpora", "nope"])
+  assert e.value.code == 2
+  assert "unknown corpus 'nope'" in capsys.readouterr().err
