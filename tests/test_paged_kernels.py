@@ -7,8 +7,11 @@ points at the scratch page 0, filled with garbage), GQA groups > 1, ragged lengt
 sizes. Each paged kernel, in Pallas interpret mode ("interpret": the Triton kernels) and in
 Pallas TPU interpret mode ("interpret_tpu": the Mosaic kernels, simulated DMAs), must give the
 paged XLA path's numbers and the contiguous cache's (fp32 tolerances) and select the same slots.
-Then whole paged decode steps with `impl="interpret"` / `"interpret_tpu"` against `impl="xla"`,
-a tiny model's paged engine step, and `jax.export` of a paged step for CUDA and TPU.
+Then a bf16 pool through the call sites' dispatch, `impl="pallas"` on this host (ValueError),
+whole paged decode steps with `impl="interpret"` / `"interpret_tpu"` against `impl="xla"` (the
+paper's RocketKV and `RocketConfig.recommended`; `decode_step` and a tiny Llama's steps over a
+paged pool), and `jax.export` for CUDA and TPU of a paged step and of each kernel at
+Llama-3.1-8B shapes.
 """
 
 from __future__ import annotations
@@ -278,12 +281,11 @@ def _kernel_names(fn, *args):
 @pytest.mark.parametrize("impl,name", [("interpret", "rocketkv"),
                                        ("interpret_tpu", "recommended")])
 def test_paged_model_step_matches_xla(impl, name):
-  """A tiny Llama's decode steps over a paged pool of three requests (the engine's programs:
-  prefill, `paged_pool.write_request` into scrambled pages, `llama.decode_step`): impl=`impl`
+  """A tiny Llama's decode steps over a paged pool of three requests (as the engine: prefill,
+  `paged_pool.write_request` into scrambled pages, `llama.decode_step`): impl=`impl`
   gives impl="xla"'s logits and greedy tokens, with the paged kernels in the step."""
   from model_fixtures import hf_checkpoint
   from rocketkv_jax.models import llama
-  from rocketkv_jax.runtime import engine_programs
   model = rocketkv.models.load(hf_checkpoint("llama31")[0])
   cfg, params = model.config, model.params
   rc = (rocketkv.RocketConfig(token_budget=32, window_size=4) if name == "rocketkv"
@@ -293,8 +295,8 @@ def test_paged_model_step_matches_xla(impl, name):
   npg = -(-plan.capacity // p)
   rng = np.random.default_rng(6)
   lengths = (128, 70, 101)
-  prefill = jax.jit(functools.partial(engine_programs._prefill, config=cfg, plan=plan,
-                                      block_size=64, impl="xla"))
+  prefill = jax.jit(functools.partial(llama.prefill, config=cfg, plan=plan, block_size=64,
+                                      impl="xla", stacked=True))  # the engine's prefill
   rows = []
   for n in lengths:
     tokens = jnp.asarray(np.pad(rng.integers(3, 256, n), (0, 128 - n))[None], jnp.int32)
