@@ -579,19 +579,25 @@ def pooled(records: list[dict], cfg: RealTextConfig) -> list[dict]:
   return summarize(held, cfg)
 
 
+PLOT_FLOOR = -0.5  # nats/token: the plot's lower edge; points below it are drawn on it
+
+
 def plot_fidelity(results: list[dict], path: str, *, role: str = "held out") -> None:
-  """nats/token lost against the share of full KV's bytes read per decode step: one panel per
-  (model, probe, length), one line per method through its budgets, 95% intervals as bars.
-  `results` are `run` outputs with their "model" entry (examples/real_text.py writes it);
-  runs of the same model merge (`merge_records`). `role`: "held out" pools the held-out
-  corpora (`pooled`), "calibration" reads the calibration corpus."""
+  """nats/token lost against the share of full KV's bytes read per decode step: a row of
+  panels per model, one panel per (probe, length), one line per method through its budgets,
+  95% intervals as bars, each method one colour everywhere. `results` are `run` outputs with
+  their "model" entry (examples/real_text.py writes it); runs of the same model merge
+  (`merge_records`). `role`: "held out" pools the held-out corpora (`pooled`), "calibration"
+  reads the calibration corpus. Points below `PLOT_FLOOR` sit on it, their value written."""
   from rocketkv_jax.eval.report import _pyplot  # matplotlib only where a plot is drawn
 
   plt = _pyplot()
+  from matplotlib import ticker
+
   by_model: dict[str, list[dict]] = {}
   for res in results:
     by_model.setdefault(res.get("model", {}).get("name", "?"), []).append(res)
-  panels = []
+  grid = []  # per model: [(title, rows, read)]
   for name, group in by_model.items():
     cfg = config_of(group)
     records = merge_records(group)
@@ -599,38 +605,58 @@ def plot_fidelity(results: list[dict], path: str, *, role: str = "held out") -> 
             [r for r in summarize(records, cfg) if r["role"] == "calibration"])
     read = {(r["length"], r["method"], r["budget"]): r["fraction"]
             for g in group for r in g.get("read_bytes", [])}
+    panels = []
     for probe in cfg.probes:
       for length in sorted({r["length"] for r in rows}):
         sel = [r for r in rows if r["probe"] == probe and r["length"] == length
-               and (length, r["method"], r["budget"]) in read]
+               and (length, r["method"], r["budget"]) in read and r["method"] != FULL]
         if sel:
           panels.append((f"{name}, {probe}, N = {length}", sel, read))
-  if not panels:
+    if panels:
+      grid.append(panels)
+  if not grid:
     raise ValueError(f"no {role} rows with read bytes in the results to plot")
-  fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
-  for ax, (title, sel, read) in zip(axes[0], panels):
-    for method in dict.fromkeys(r["method"] for r in sel):
-      if method == FULL:
+  methods = list(dict.fromkeys(r["method"] for panels in grid for _, sel, _ in panels
+                               for r in sel))
+  cmap = plt.get_cmap("tab10" if len(methods) <= 10 else "tab20")
+  colour = {m: cmap(i % cmap.N) for i, m in enumerate(methods)}
+  ncol = max(len(p) for p in grid)
+  fig, axes = plt.subplots(len(grid), ncol, figsize=(4.2 * ncol, 3.4 * len(grid)),
+                           squeeze=False)
+  for i, panels in enumerate(grid):
+    for j in range(ncol):
+      ax = axes[i][j]
+      if j >= len(panels):
+        ax.axis("off")
         continue
-      pts = sorted((read[(r["length"], method, r["budget"])], r) for r in sel
-                   if r["method"] == method)
-      xs = [x for x, _ in pts]
-      ys = [r["delta"] for _, r in pts]
-      err = [[r["delta"] - r["delta_lo"] for _, r in pts],
-             [r["delta_hi"] - r["delta"] for _, r in pts]]
-      ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=_label(method))
-      for x, (_, r) in zip(xs, pts):
-        ax.annotate(str(r["budget"]), (x, r["delta"]), textcoords="offset points",
-                    xytext=(4, 4), fontsize=7)
-    ax.axhline(0.0, color="k", lw=1)
-    ax.axhline(-0.05, color="k", ls=":", lw=1)
-    ax.set_xscale("log")
-    ax.set_xlabel("KV bytes read per step / full KV's")
-    ax.set_ylabel("Δ log-prob / token vs full KV")
-    ax.set_title(title, fontsize=9)
-  axes[0][0].legend(fontsize=7)
-  fig.suptitle(f"real text, {role}: points are budgets B; dotted: -0.05 nats/token", fontsize=9)
-  fig.tight_layout()
+      title, sel, read = panels[j]
+      for method in dict.fromkeys(r["method"] for r in sel):
+        pts = sorted((read[(r["length"], method, r["budget"])], r) for r in sel
+                     if r["method"] == method)
+        xs = [x for x, _ in pts]
+        ys = [max(r["delta"], PLOT_FLOOR) for _, r in pts]
+        err = [[max(0.0, y - max(r["delta_lo"], PLOT_FLOOR)) for y, (_, r) in zip(ys, pts)],
+               [max(0.0, r["delta_hi"] - y) for y, (_, r) in zip(ys, pts)]]
+        ax.errorbar(xs, ys, yerr=err, marker="o", ms=4, capsize=2, color=colour[method],
+                    label=_label(method))
+        for x, y, (_, r) in zip(xs, ys, pts):
+          text = f"B={r['budget']}" + ("" if r["delta"] >= PLOT_FLOOR else f" ({r['delta']:.2f})")
+          ax.annotate(text, (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6)
+      ax.axhline(0.0, color="k", lw=0.8)
+      ax.axhline(-0.05, color="k", ls=":", lw=0.8)
+      ax.set_xscale("log")
+      ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+      ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{100 * v:g}%"))
+      ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+      ax.set_ylim(PLOT_FLOOR - 0.03, 0.1)
+      ax.set_xlabel("KV bytes read per step, % of full KV's", fontsize=8)
+      ax.set_ylabel("Δ log-prob / token vs full KV", fontsize=8)
+      ax.set_title(title, fontsize=9)
+  handles = [plt.Line2D([], [], color=colour[m], marker="o", label=_label(m)) for m in methods]
+  per_row = 2 if max(len(h.get_label()) for h in handles) > 30 else 4
+  fig.legend(handles=handles, loc="lower center", ncol=per_row, fontsize=7)
+  fig.suptitle(f"real text ({role}): dotted line -0.05 nats/token", fontsize=9)
+  fig.tight_layout(rect=(0, (0.05 + 0.035 * ((len(handles) - 1) // per_row)) / len(grid), 1, 1))
   fig.savefig(path, dpi=120)
   plt.close(fig)
 
