@@ -25,7 +25,9 @@ Why a pytree and not the NNX module: docs/design.md#models-as-flax-nnx-modules.
 
 Entry points:
   * `forward(params, tokens)` -- plain full-attention logits `[B, T, V]` (no cache).
-  * `prompt_pass(...)` -- the prompt pass shared by `prefill` and the evaluation runner.
+  * `prompt_pass(...)` -- the prompt pass shared by `prefill` and the evaluation runner;
+    `prompt_layers` runs a range of its layers from given hidden states (the serving engine's
+    prefill in layer groups: `prefill_layers`, `join_layer_stacks`).
   * `prefill(params, tokens, lengths)` -- last-token logits `[B, V]` and the per-layer KV state
     built by `rocketkv.prefill` for the plan's method.
   * `decode_step(params, cache, tokens, positions)` -- the pure step
@@ -243,41 +245,38 @@ def _last_token_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, length
   return dense_attention_xla(q, k, v, jnp.broadcast_to(visible[:, None, :], k.shape[:3]))
 
 
-def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
-                config: ModelConfig, window: int, per_layer, block_size: int = 512,
-                static_layers: tuple[int, ...] = (), stacked: bool = False):
-  """The decoder over a right-padded prompt batch, keeping what the KV methods need.
+def prompt_spans(config: ModelConfig, static_layers: tuple[int, ...] = ()):
+  """The `(lo, hi)` groups of `prompt_pass`'s `LayerStack`: the scanned runs of like layers of
+  0..N-2 between the `static_layers` (alone), then the last layer alone."""
+  n = config.num_layers
+  static = {i for i in static_layers if 0 <= i < n}
+  return tuple(_runs(config, 0, n - 1, alone=static)) + ((n - 1, n),)
 
-  Every layer computes K/V for all tokens and queries for the last `window` valid tokens, and
-  hands them to `per_layer(k [B, Hkv, L, Dh], v, q_window [B, Hq, W, Dh], layer) -> pytree`.
-  `layer` is the layer's index for the layers in `static_layers`, which run unrolled (so their
-  results may differ in structure: the KV methods' dense layers, a hybrid's sliding layers), and
-  for the others, which run in `lax.scan`s between them, one per run of layers of one kind
-  (results of one structure), the index of their run's first layer (a layer outside
-  `static_layers`, as each of them is).
-  Layers 0..N-2 run blockwise causal attention and the MLP over every token; the last layer's
-  output is needed only at each sequence's last valid token, so there its attention and MLP
-  run on that one row (a 1/N saving of the prompt pass).
 
-  Returns:
-    (x_last `[B, D]` final hidden state at each sequence's last valid token,
-     outs: a tuple with `per_layer`'s result for each of the N layers; with `stacked`, a
-     `LayerStack` of them as the scans made them: each scanned run's results stacked, the
-     static layers and the last layer alone. Slicing a run's stacked results into layers is a
-     copy of them, which a scanned decode loop over the stack does not need.)
-  """
-  b, length = tokens.shape
+def prompt_layers(params: Params, x: jnp.ndarray, lengths: jnp.ndarray, lo: int, hi: int, *,
+                  config: ModelConfig, window: int, per_layer, block_size: int = 512,
+                  static_layers: tuple[int, ...] = ()):
+  """Layers [lo, hi) of `prompt_pass` from the hidden states `x [B, L, D]` entering layer `lo`
+  (`embed`'s output for lo = 0; compute dtype): a prompt pass can run in several calls, each
+  carrying only `x` to the next (the serving engine's prefill in layer groups).
+
+  Returns (x `[B, L, D]` entering layer `hi`, or for hi = N the final hidden state `[B, D]` at
+  each sequence's last valid token; a `LayerStack` of `per_layer`'s results for layers
+  [lo, hi): `prompt_spans` cut at lo and hi, a scanned run's part of one layer unstacked).
+  `join_layer_stacks` assembles the parts of [0, N) into `prompt_pass`'s stack."""
+  b, length = x.shape[:2]
   positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
   widx = window_positions(lengths, length, window)  # [B, W]; widx[:, -1] = lengths - 1
   kv_dtype = params["embed"].dtype  # K/V reach `per_layer` in the parameter dtype
   params = compute_params(params)
   n = config.num_layers
+  if not 0 <= lo < hi <= n:
+    raise ValueError(f"layers [lo, hi) must satisfy 0 <= lo < hi <= {n}, got [{lo}, {hi})")
   static = {i for i in static_layers if 0 <= i < n}
 
   def store(k, v, qw, i):
     return per_layer(k.astype(kv_dtype), v.astype(kv_dtype), qw.astype(kv_dtype), i)
 
-  x = embed(params, config, tokens)
   layers = params["layers"]
   per_layer_params = isinstance(layers, (list, tuple))
   # a layer's weights: its own dict (what the loaders make), or a slice of stacked ones
@@ -297,25 +296,74 @@ def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
     x = mlp_residual(lp, config, attn_residual(lp, x, a, config))
     return x, out
 
-  groups, spans = [], []  # results of runs of layers [lo, hi): stacked when scanned
+  groups, spans = [], []  # results of runs of layers [a, b): stacked when scanned
   # runs of scanned layers of one kind, and the static layers one by one
-  for lo, hi in _runs(config, 0, n - 1, alone=static):
-    if lo in static:
-      x, out = layer(x, layer_params(lo), lo)
+  for a, b in _runs(config, lo, min(hi, n - 1), alone=static):
+    if a in static:
+      x, out = layer(x, layer_params(a), a)
       groups.append(out)
     else:
-      x, run = lax.scan(functools.partial(layer, i=lo), x, run_params(lo, hi))
-      groups.append(run if hi - lo > 1 else jax.tree.map(lambda a: a[0], run))
-    spans.append((lo, hi))
-  lp = layer_params(n - 1)
-  q_window, k, v = qkv(lp, config, x, positions, q_rows=widx, layer=n - 1)
-  groups.append(store(k, v, q_window, n - 1))
-  spans.append((n - 1, n))
-  a = _last_token_attention(q_window[:, :, -1], k, v, lengths, config.layer_window(n - 1))
-  x = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
-  x = mlp_residual(lp, config, attn_residual(lp, x, a[:, :, None, :], config))
-  stack = LayerStack(groups=tuple(groups), spans=tuple(spans))
-  return x[:, 0], (stack if stacked else unstack_cache(stack))
+      x, run = lax.scan(functools.partial(layer, i=a), x, run_params(a, b))
+      groups.append(run if b - a > 1 else jax.tree.map(lambda t: t[0], run))
+    spans.append((a, b))
+  if hi == n:  # the last layer: its output is needed only at each last valid token
+    lp = layer_params(n - 1)
+    q_window, k, v = qkv(lp, config, x, positions, q_rows=widx, layer=n - 1)
+    groups.append(store(k, v, q_window, n - 1))
+    spans.append((n - 1, n))
+    a = _last_token_attention(q_window[:, :, -1], k, v, lengths, config.layer_window(n - 1))
+    x = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)  # [B, 1, D]
+    x = mlp_residual(lp, config, attn_residual(lp, x, a[:, :, None, :], config))[:, 0]
+  return x, LayerStack(groups=tuple(groups), spans=tuple(spans))
+
+
+def join_layer_stacks(parts, spans) -> "LayerStack":
+  """One `LayerStack` of `spans` (`prompt_spans`) from `prompt_layers`' stacks of consecutive
+  layer ranges covering them: a run's parts are concatenated along the layer axis (a part of
+  one layer gets its axis back), so the result is the one-call `prompt_pass`'s stack."""
+  pieces = [(s, g) for p in parts for s, g in zip(p.spans, p.groups)]
+  groups = []
+  for lo, hi in spans:
+    mine = [(a, b, g) for (a, b), g in pieces if lo <= a and b <= hi]
+    if sum(b - a for a, b, _ in mine) != hi - lo:
+      raise ValueError(f"the parts' spans {[s for s, _ in pieces]} do not cover {(lo, hi)}")
+    if hi - lo == 1 or len(mine) == 1:
+      groups.append(mine[0][2])
+      continue
+    stacked = [g if b - a > 1 else jax.tree.map(lambda t: t[None], g) for a, b, g in mine]
+    groups.append(jax.tree.map(lambda *xs: jnp.concatenate(xs), *stacked))
+  return LayerStack(groups=tuple(groups), spans=tuple(spans))
+
+
+def prompt_pass(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
+                config: ModelConfig, window: int, per_layer, block_size: int = 512,
+                static_layers: tuple[int, ...] = (), stacked: bool = False):
+  """The decoder over a right-padded prompt batch, keeping what the KV methods need.
+
+  Every layer computes K/V for all tokens and queries for the last `window` valid tokens, and
+  hands them to `per_layer(k [B, Hkv, L, Dh], v, q_window [B, Hq, W, Dh], layer) -> pytree`.
+  `layer` is the layer's index for the layers in `static_layers`, which run unrolled (so their
+  results may differ in structure: the KV methods' dense layers, a hybrid's sliding layers), and
+  for the others, which run in `lax.scan`s between them, one per run of layers of one kind
+  (results of one structure), the index of their run's first layer (a layer outside
+  `static_layers`, as each of them is).
+  Layers 0..N-2 run blockwise causal attention and the MLP over every token; the last layer's
+  output is needed only at each sequence's last valid token, so there its attention and MLP
+  run on that one row (a 1/N saving of the prompt pass). It is `embed` then `prompt_layers`
+  over [0, N).
+
+  Returns:
+    (x_last `[B, D]` final hidden state at each sequence's last valid token,
+     outs: a tuple with `per_layer`'s result for each of the N layers; with `stacked`, a
+     `LayerStack` of them as the scans made them (`prompt_spans`): each scanned run's results
+     stacked, the static layers and the last layer alone. Slicing a run's stacked results into
+     layers is a copy of them, which a scanned decode loop over the stack does not need.)
+  """
+  x = embed(compute_params(params), config, tokens)
+  last, stack = prompt_layers(params, x, lengths, 0, config.num_layers, config=config,
+                              window=window, per_layer=per_layer, block_size=block_size,
+                              static_layers=static_layers)
+  return last, (stack if stacked else unstack_cache(stack))
 
 
 def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
@@ -339,6 +387,15 @@ def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
      cache: a tuple with one `rocketkv.prefill` state per layer (or their `LayerStack`); the
      method's dense layers (`layer=i`, e.g. RocketKV's `skip_layers`) keep every prompt token).
   """
+  static, per_layer = _prefill_layers_of(config, plan, lengths, impl)
+  last, cache = prompt_pass(
+      params, tokens, lengths, config=config, window=plan.window_size, block_size=block_size,
+      static_layers=static, stacked=stacked, per_layer=per_layer)
+  return unembed(params, config, last), cache
+
+
+def _prefill_layers_of(config: ModelConfig, plan, lengths: jnp.ndarray, impl: str):
+  """`prefill`'s (static layers, per_layer) for `prompt_pass` / `prompt_layers`."""
   check_num_layers(plan, config.num_layers)
   method = methods.get(plan.method)
   # A method whose decode steps read every slot of every layer (full KV) gets each layer's cache
@@ -353,11 +410,27 @@ def prefill(params: Params, tokens: jnp.ndarray, lengths: jnp.ndarray, *,
       return window_cache(k, v, lengths, config.sliding_window, plan.max_new_tokens)
     return kv_prefill(k, v, qw, plan, lengths=lengths, impl=impl, layer=layer)
 
-  last, cache = prompt_pass(
-      params, tokens, lengths, config=config, window=plan.window_size, block_size=block_size,
-      static_layers=tuple(sorted(set(static) | set(sliding))), stacked=stacked,
-      per_layer=per_layer)
-  return unembed(params, config, last), cache
+  return tuple(sorted(set(static) | set(sliding))), per_layer
+
+
+def prefill_spans(config: ModelConfig, plan) -> tuple[tuple[int, int], ...]:
+  """The `(lo, hi)` groups of `prefill(..., stacked=True)`'s `LayerStack`."""
+  return prompt_spans(config, _prefill_layers_of(config, plan, None, "xla")[0])
+
+
+def prefill_layers(params: Params, x: jnp.ndarray, lengths: jnp.ndarray, lo: int, hi: int, *,
+                   config: ModelConfig, plan, block_size: int = 512, impl: str = "auto"):
+  """Layers [lo, hi) of `prefill` (`prompt_layers` with its KV method) from the hidden states
+  `x [B, L, D]` entering layer `lo` (`embed`'s for lo = 0).
+
+  Returns (x `[B, L, D]` entering layer `hi`, or for hi = N the logits `[B, V]` at each
+  sequence's last valid token; the `LayerStack` part of layers [lo, hi)). The parts of a split
+  of [0, N), joined by `join_layer_stacks(parts, prefill_spans(config, plan))`, are
+  `prefill(..., stacked=True)`'s cache."""
+  static, per_layer = _prefill_layers_of(config, plan, lengths, impl)
+  x, part = prompt_layers(params, x, lengths, lo, hi, config=config, window=plan.window_size,
+                          per_layer=per_layer, block_size=block_size, static_layers=static)
+  return (unembed(params, config, x) if hi == config.num_layers else x), part
 
 
 def window_cache(k: jnp.ndarray, v: jnp.ndarray, lengths: jnp.ndarray, window: int,

@@ -401,6 +401,7 @@ def test_burst_past_max_waiting_gets_503_and_the_rest_complete(served):
     (["--method", "magic"], "--method must be recommended or one of"),
     (["--budget", "0"], "--budget must be >= 1"),
     (["--prefill-tokens-per-step", "-1"], "--prefill-tokens-per-step must be >= 0"),
+    (["--prefill-layer-groups", "0"], "--prefill-layer-groups must be >= 1 (1: one call)"),
     (["--port", "70000"], "--port must be in"),
     (["--model", "/no/such/model"], "model must be one of"),
     (["--bogus"], "unrecognized arguments: --bogus"),
@@ -411,6 +412,15 @@ def test_cli_user_errors_exit_2(capsys, argv, message):
   err = capsys.readouterr().err
   assert e.value.code == 2 and err.startswith("error: ") and message in err
   assert err.count("\n") == 1
+
+
+def test_cli_prefill_layer_groups_past_the_layers_exit_2(capsys, tiny_dir):
+  """More layer groups than the model has layers (the tiny model's 2): one line, status 2."""
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--model", tiny_dir, "--prefill-layer-groups", "3"])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err == ("error: --prefill-layer-groups must be in [1, 2] (at "
+                                       "most the model's 2 layers), got 3\n")
 
 
 def test_missing_extra_names_it_in_one_line():

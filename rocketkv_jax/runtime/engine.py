@@ -11,8 +11,16 @@ Each of the `S` slots holds one request's compressed KV state. A request waits i
 queue until a slot is free, is prefilled alone (its prompt padded to a power-of-two length
 bucket) straight into its slot, then decodes with the others, `steps_per_call` tokens per
 compiled call, and leaves at EOS, `max_tokens`, a stop string or cancellation; its slot is
-free for the next one at once. Nothing recompiles: one admit program per bucket, one decode
-program (`engine_programs.py`), all compiled by `warmup()` or on first use.
+free for the next one at once. Nothing recompiles: one admit program per bucket (G in layer
+groups, below), one decode program (`engine_programs.py`), all compiled by `warmup()` or on
+first use.
+
+Prefill in layer groups (`prefill_layer_groups = G > 1`): a request's prefill runs as G calls,
+each over a group of consecutive layers, carrying only the hidden states `[1, L, D]` from one
+to the next (stage 1 is per layer, so each layer's compressed state is final once it ran). The
+request is "prefilling" in between (it holds its pages and a slot's place, not a slot), and the
+running requests decode once between two of its calls, so a long prompt stalls them for about
+1/G of its prefill at a time; after its last group it joins the batch as a one-call admission.
 
 One budget split for every request: the `Plan` is made once for prompts of `max_model_len -
 max_new_tokens` tokens and `max_new_tokens` new ones, as `rocketkv.generate(..., pad_to=...)`
@@ -87,6 +95,10 @@ class EngineConfig:
     prefill_tokens_per_step: admissions of one step stop once their prompts reach this many
       tokens (at least one request is admitted): the running requests then decode before the
       next prefills. None: every free slot is filled first (best time to first token).
+    prefill_layer_groups: G: a request's prefill runs as G calls over groups of consecutive
+      layers (sizes differing by at most one), with one decode call of the running requests
+      between two of them: a long prompt stalls them ~1/G of its prefill at a time instead of
+      all of it, for the same total work. 1: one call (no split). At most the model's layers.
     page_size: None: each slot reserves its plan's whole capacity (the slots are the unit of
       memory). An int P: a paged pool (`paged_pool.py`): K, V and the method's summaries
       live in pages of about P tokens (rounded up to whole chunks / code bytes) shared by the
@@ -105,6 +117,7 @@ class EngineConfig:
   max_waiting: int = 256
   steps_per_call: int = 1
   prefill_tokens_per_step: int | None = None
+  prefill_layer_groups: int = 1
   page_size: int | None = None
   min_bucket: int = 64
   block_size: int = 512
@@ -127,6 +140,10 @@ class EngineConfig:
         or not isinstance(self.prefill_tokens_per_step, int) or self.prefill_tokens_per_step < 1):
       raise ValueError(f"prefill_tokens_per_step must be None or an int >= 1, got "
                        f"{self.prefill_tokens_per_step!r}")
+    g = self.prefill_layer_groups
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+      raise ValueError(f"prefill_layer_groups must be an int in [1, the model's layers], got "
+                       f"{g!r}")
     if self.page_size is not None and (isinstance(self.page_size, bool)
                                        or not isinstance(self.page_size, int)
                                        or self.page_size < 1):
@@ -150,7 +167,7 @@ class EngineStats:
   """A snapshot of the engine (what `/metrics` exports)."""
 
   num_running: int
-  num_waiting: int
+  num_waiting: int  # not admitted yet (prefilling requests are neither: `num_prefilling`)
   num_slots: int
   kv_cache_usage: float  # 0-1: pages (slots: tokens) running requests hold / the pool's
   slot_bytes: int  # one slot's KV state (paged: one request of the plan's capacity)
@@ -159,6 +176,21 @@ class EngineStats:
   requests_finished_total: int
   prefill_seconds_total: float  # wall time in admissions (prefill + first token)
   decode_seconds_total: float  # wall time in decode calls
+  num_prefilling: int = 0  # admitted, their prefill in layer groups under way
+
+
+@dataclasses.dataclass
+class _Prefilling:
+  """A request whose prefill runs in layer groups: what it holds between its group calls."""
+
+  req: Request
+  bucket: int
+  tokens: np.ndarray  # [1, bucket] right-padded prompt ids
+  seed: int
+  pages: list[int]  # paged pool: the pages taken at admission (written by the last call)
+  group: int = 0  # the next group to run
+  x: jax.Array | None = None  # [1, bucket, D] hidden states entering the next group
+  parts: tuple = ()  # the `LayerStack` parts of the groups run so far
 
 
 class Engine:
@@ -176,6 +208,12 @@ class Engine:
     self.plan = make_plan(config.rocket_config, config.max_prompt_len, config.max_new_tokens,
                           mc.head_dim)
     check_num_layers(self.plan, mc.num_layers)
+    groups = config.prefill_layer_groups
+    if groups > mc.num_layers:
+      raise ValueError(f"prefill_layer_groups must be in [1, {mc.num_layers}] (at most the "
+                       f"model's {mc.num_layers} layers), got {groups}")
+    # layer groups [bounds[g], bounds[g + 1]) of the prefill: sizes differ by at most one
+    self.layer_bounds = tuple(g * mc.num_layers // groups for g in range(groups + 1))
     self.tokenizer = model.tokenizer
     self.eos_ids = decode_loop.default_eos_ids(model)
     self._eos = jnp.asarray(np.array(list(self.eos_ids) or [-1], np.int32))
@@ -228,6 +266,7 @@ class Engine:
 
     self._lock = threading.Condition()
     self._waiting: collections.deque[Request] = collections.deque()
+    self._prefilling: list[_Prefilling] = []  # admitted, prefill in layer groups under way
     self._slots: list[Request | None] = [None] * slots
     self._ids = itertools.count()
     self._requests: dict[str, Request] = {}
@@ -335,6 +374,28 @@ class Engine:
     return self._program(f"admit{bucket}", programs.admit_program, (1,), *args,
                          block_size=self.config.block_size)
 
+  def _group_exe(self, bucket: int, lo: int, hi: int, args):
+    return self._program(f"prefill{bucket}", programs.prefill_group_program, (), *args, lo=lo,
+                         hi=hi, block_size=self.config.block_size)
+
+  def _last_exe(self, bucket: int, lo: int, args):
+    """The last layer group's program (`admit_program` with lo > 0)."""
+    if self.paged:
+      return self._program(f"admit{bucket}", programs.admit_paged_program, (1,), *args, lo=lo,
+                           sliding_groups=self.sliding_groups,
+                           block_size=self.config.block_size)
+    return self._program(f"admit{bucket}", programs.admit_program, (1,), *args, lo=lo,
+                         block_size=self.config.block_size)
+
+  def _abstract(self, fn, *args, **static):
+    """`fn(*args)`'s outputs as shapes, laid out as the engine's programs leave them (on a
+    mesh: `_out_shardings`), to compile the program that takes them without running `fn`."""
+    out = jax.eval_shape(functools.partial(fn, **self._static, **static), *args)
+    if self._mesh is None:
+      return out
+    return jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh), out,
+                        self._out_shardings(out))
+
   def _release_exe(self, args):
     return self._program("release", programs.release_program, (0,), *args,
                          sliding_groups=self.sliding_groups)
@@ -351,12 +412,24 @@ class Engine:
                          sliding_groups=self.sliding_groups)
 
   def warmup(self) -> float:
-    """Compiles every program (one admit per bucket, the decode step) now, so that no request
-    waits for a compile. Returns the seconds spent."""
+    """Compiles every program (one admit per bucket, or G per bucket in layer groups; the
+    decode step) now, so that no request waits for a compile. Returns the seconds spent."""
     t0 = self._counters["compile_s"]
+    bounds = self.layer_bounds
     for b in self.buckets:
-      self._admit_exe(b, self._admit_args(np.zeros((1, b), np.int32), 1, 0, SamplingParams(),
-                                          0))
+      carried = np.zeros((1, b), np.int32)
+      if len(bounds) > 2:  # layer groups: G - 1 group programs, then the last one
+        lengths, parts = np.ones((1,), np.int32), ()
+        for lo, hi in zip(bounds[:-2], bounds[1:-1]):
+          args = (self.model.params, carried, lengths)
+          self._group_exe(b, lo, hi, args)
+          carried, part = self._abstract(programs.prefill_group_program, *args, lo=lo, hi=hi,
+                                         block_size=self.config.block_size)
+          parts += (part,)
+        args = self._admit_args((carried, parts), 1, 0, SamplingParams(), 0)
+        self._last_exe(b, bounds[-2], args)
+        continue
+      self._admit_exe(b, self._admit_args(carried, 1, 0, SamplingParams(), 0))
     for rows in (self.batches if self.paged else (None,)):
       self._decode_exe(self._decode_args(rows))
     if self.paged:
@@ -443,7 +516,8 @@ class Engine:
     return RequestHandle(req, self.abort)
 
   def abort(self, request_id: str) -> None:
-    """Cancels a request (waiting or running); its slot is freed at the next step."""
+    """Cancels a request (waiting, prefilling or running); its slot and pages are freed at the
+    next step."""
     with self._lock:
       req = self._requests.get(request_id)
       if req is not None:
@@ -453,10 +527,13 @@ class Engine:
   def stats(self) -> EngineStats:
     with self._lock:
       running = [r for r in self._slots if r is not None]
-      if self.paged:
-        usage = sum(map(len, self._slot_pages)) / (self.num_pages - 1)
+      if self.paged:  # prefilling requests hold their pages too
+        held = sum(map(len, self._slot_pages)) + sum(len(p.pages) for p in self._prefilling)
+        usage = held / (self.num_pages - 1)
       else:
-        usage = int(self._held.sum()) / (self.num_slots * self.plan.capacity)
+        held = int(self._held.sum()) + sum(self._kept(len(p.req.prompt_ids))
+                                           for p in self._prefilling)
+        usage = held / (self.num_slots * self.plan.capacity)
       return EngineStats(
           num_running=len(running), num_waiting=len(self._waiting), num_slots=self.num_slots,
           kv_cache_usage=usage,
@@ -465,44 +542,113 @@ class Engine:
           generation_tokens_total=int(self._counters["generation_tokens"]),
           requests_finished_total=int(self._counters["finished"]),
           prefill_seconds_total=float(self._counters["prefill_s"]),
-          decode_seconds_total=float(self._counters["decode_s"]))
+          decode_seconds_total=float(self._counters["decode_s"]),
+          num_prefilling=len(self._prefilling))
 
   # ------------------------------------------------------------------ the loop
   def has_work(self) -> bool:
     with self._lock:
-      return bool(self._waiting) or any(r is not None for r in self._slots)
+      return (bool(self._waiting) or bool(self._prefilling)
+              or any(r is not None for r in self._slots))
 
   def step(self) -> None:
-    """One iteration: drop cancelled requests, admit waiting ones into free slots (prefill),
-    then one decode call over the slots if any is busy."""
+    """One iteration: drop cancelled requests, run the next layer group of each prefilling
+    request (the last one joins the batch), admit waiting ones (prefill, or its first layer
+    group), then one decode call over the slots if any is busy."""
     self._reap()
     self._release()
+    for p in list(self._prefilling):  # one group each: a decode call comes between two
+      self._prefill_group(p)
     prefilled, limit = 0, self.config.prefill_tokens_per_step
     while limit is None or prefilled < limit:
       with self._lock:
         free = [i for i, r in enumerate(self._slots) if r is None]
-        if not free or not self._waiting:
+        if len(free) <= len(self._prefilling) or not self._waiting:  # a slot each is theirs
           break
         req = self._waiting[0]
         if req.aborted.is_set():
           self._waiting.popleft()
           self._end(req, "abort")
           continue
-        page_ids = None
+        taken = []
         if self.paged:  # first come, first served: the head waits until its pages are free
           need = self.pages_needed(len(req.prompt_ids), req.params.max_tokens)
           if need > len(self._free_pages):
             break
-          self._slot_pages[free[0]] = taken = self._free_pages[:need]
+          taken = self._free_pages[:need]
           del self._free_pages[:need]
-          self._release_mask[free[0]] = False  # the admission rewrites the slot's table
-          page_ids = np.full(self.pages_per_seq, self.num_pages, np.int32)
-          page_ids[:need] = taken
+          if len(self.layer_bounds) == 2:
+            self._slot_pages[free[0]] = taken
+            self._release_mask[free[0]] = False  # the admission rewrites the slot's table
         self._waiting.popleft()
-      self._admit(req, free[0], page_ids)
       prefilled += len(req.prompt_ids)
+      if len(self.layer_bounds) == 2:
+        self._admit(req, free[0], self._page_ids(taken))
+        continue
+      n = len(req.prompt_ids)
+      bucket = next(b for b in self.buckets if b >= n)
+      tokens = np.zeros((1, bucket), np.int32)
+      tokens[0, :n] = req.prompt_ids
+      p = _Prefilling(req, bucket, tokens, self._seed_of(req), taken)
+      with self._lock:
+        self._prefilling.append(p)
+      self._prefill_group(p)
     if any(r is not None for r in self._slots):
       self._decode()
+
+  def _page_ids(self, taken):
+    """A request's page list as the admit programs take it `[NP]` (N past its pages)."""
+    if not self.paged:
+      return None
+    page_ids = np.full(self.pages_per_seq, self.num_pages, np.int32)
+    page_ids[:len(taken)] = taken
+    return page_ids
+
+  @staticmethod
+  def _seed_of(req: Request) -> int:
+    return req.params.seed if req.params.seed is not None else zlib.crc32(req.id.encode())
+
+  def _prefill_group(self, p: _Prefilling) -> None:
+    """Runs the next layer group of `p`'s prefill; the last one writes its state into a free
+    slot (and its pages) and samples its first token (`_finish_admit`)."""
+    bounds, g = self.layer_bounds, p.group
+    lo, hi = bounds[g], bounds[g + 1]
+    n = len(p.req.prompt_ids)
+    lengths = np.array([n], np.int32)
+    if hi < bounds[-1]:
+      args = (self.model.params, p.tokens if g == 0 else p.x, lengths)
+      try:
+        exe = self._group_exe(p.bucket, lo, hi, args)
+        t0 = time.perf_counter()
+        x, part = exe(*args)
+        p.x = jax.block_until_ready(x)  # this group's work falls between two decode calls
+        self._counters["prefill_s"] += time.perf_counter() - t0
+      except Exception as e:  # pylint: disable=broad-except
+        with self._lock:
+          self._drop_prefilling(p, "error", f"prefill failed: {type(e).__name__}: {e}")
+        raise
+      p.parts += (part,)
+      p.group += 1
+      self._counters["prefill_groups"] += 1
+      return
+    with self._lock:  # the last group: the request takes a free slot (one is kept for it)
+      self._prefilling.remove(p)
+      slot = next(i for i, r in enumerate(self._slots) if r is None)
+      if self.paged:
+        self._slot_pages[slot] = p.pages
+        self._release_mask[slot] = False  # the admission rewrites the slot's table
+    args = self._admit_args((p.x, p.parts), n, slot, p.req.params, p.seed,
+                            self._page_ids(p.pages))
+    p.x, p.parts = None, ()
+    self._counters["prefill_groups"] += 1
+    self._finish_admit(p.req, slot, p.seed, args, functools.partial(self._last_exe, p.bucket, lo))
+
+  def _drop_prefilling(self, p: _Prefilling, reason: str, error: str | None = None) -> None:
+    """(lock held) Ends a prefilling request: its pages (never in a table) are free at once."""
+    self._prefilling.remove(p)
+    self._free_pages += p.pages
+    p.pages, p.x, p.parts = [], None, ()
+    self._end(p.req, reason, error)
 
   def pages_needed(self, prompt_len: int, max_tokens: int) -> int:
     """Pages a request takes in a paged pool: its kept prompt tokens + max_tokens."""
@@ -553,19 +699,28 @@ class Engine:
       for req in [r for r in self._waiting if r.aborted.is_set()]:
         self._waiting.remove(req)
         self._end(req, "abort")
+      for p in [p for p in self._prefilling if p.req.aborted.is_set()]:
+        self._drop_prefilling(p, "abort")
       for i, req in enumerate(self._slots):
         if req is not None and req.aborted.is_set():
           self._free(i, "abort")
 
   def _admit(self, req: Request, slot: int, page_ids=None) -> None:
+    """The whole prefill of `req` in one call, into `slot` (its pages taken already)."""
     n = len(req.prompt_ids)
     bucket = next(b for b in self.buckets if b >= n)
     tokens = np.zeros((1, bucket), np.int32)
     tokens[0, :n] = req.prompt_ids
-    seed = req.params.seed if req.params.seed is not None else zlib.crc32(req.id.encode())
+    seed = self._seed_of(req)
     args = self._admit_args(tokens, n, slot, req.params, seed, page_ids)
+    self._finish_admit(req, slot, seed, args, functools.partial(self._admit_exe, bucket))
+
+  def _finish_admit(self, req: Request, slot: int, seed: int, args, exe_of) -> None:
+    """Runs an admit program `exe_of(args)` (the whole prefill, or the last layer group) into
+    `slot` and starts the request there with its first token."""
+    n = len(req.prompt_ids)
     try:
-      exe = self._admit_exe(bucket, args)
+      exe = exe_of(args)
       t0 = time.perf_counter()
       if self.paged:
         first, kept, self.state = exe(*args)
@@ -652,9 +807,11 @@ class Engine:
   def _run(self) -> None:
     while True:
       with self._lock:
-        while not self._closed and not self._waiting and all(r is None for r in self._slots):
+        while (not self._closed and not self._waiting and not self._prefilling
+               and all(r is None for r in self._slots)):
           self._lock.wait()
-        if self._closed and not any(r is not None for r in self._slots) and not self._waiting:
+        if (self._closed and not any(r is not None for r in self._slots) and not self._waiting
+            and not self._prefilling):
           return
       try:
         self.step()
@@ -666,13 +823,16 @@ class Engine:
       for i, r in enumerate(self._slots):
         if r is not None:
           self._free(i, "error", message)
+      for p in list(self._prefilling):
+        self._drop_prefilling(p, "error", message)
       self._held[:] = 0
       while self._waiting:
         self._end(self._waiting.popleft(), "error", message)
 
   def shutdown(self, timeout: float = 30.0) -> None:
-    """Stops admitting; lets running requests finish for up to `timeout` seconds, then aborts
-    what is left (waiting requests are aborted at once) and stops the thread."""
+    """Stops admitting; lets running (and prefilling) requests finish for up to `timeout`
+    seconds, then aborts what is left (waiting requests are aborted at once) and stops the
+    thread."""
     with self._lock:
       self._closed = True
       while self._waiting:
@@ -689,6 +849,8 @@ class Engine:
       for i, r in enumerate(self._slots):
         if r is not None:
           self._free(i, "abort")
+      for p in list(self._prefilling):
+        self._drop_prefilling(p, "abort")
 
   def generate(self, prompts: Sequence[str | Sequence[int]],
                params: SamplingParams | None = None) -> list[Output]:

@@ -4,11 +4,19 @@
     first, state = admit_program(params, state, tokens [1, L], length [1], slot, ...)
     tokens [S, K], state = decode_program(params, state, last [S], positions [S], ...)
 
+    # or the prefill in layer groups [b0, b1), ..., [b_{G-1}, N) (EngineConfig.prefill_layer_groups)
+    x, part = prefill_group_program(params, tokens [1, L], length [1], lo=0, hi=b1)
+    x, part = prefill_group_program(params, x [1, L, D], length [1], lo=b1, hi=b2)  # ...
+    first, state = admit_program(params, state, (x, parts), length [1], slot, ..., lo=b_{G-1})
+
 `admit_program` prefills one request (its prompt right-padded to a length bucket `L`) with the
 engine's one `Plan` and writes its per-layer states into row `slot` of the batch state (donated,
-so in place); `decode_program` runs `K` decode steps of every slot. The states of every request
-have the same shapes because they share the plan, so both programs compile once per bucket
-(admit) and once (decode), whatever the requests' lengths.
+so in place); `decode_program` runs `K` decode steps of every slot. In layer groups, each
+group's call carries only the hidden states `x` to the next; the stage-1 states of its layers
+are final and wait (`part`) until the last call joins them into the same row state. The states
+of every request have the same shapes because they share the plan, so the programs compile
+once per bucket (admit; G times in G layer groups) and once (decode), whatever the requests'
+lengths.
 
 Sampling is per row (`sample_rows`): each slot has its own temperature, top-p, seed and
 min_tokens; temperature 0 is argmax, as `rocketkv.generate`'s greedy decoding.
@@ -96,15 +104,45 @@ def init_program(params, tokens, lengths, *, config, plan, slots, block_size, im
   return tile_rows(state, slots)
 
 
-def admit_program(params, state, tokens, lengths, slot, temperature, top_p, seed, min_tokens,
-                  eos, *, config, plan, block_size, impl):
-  """Prefills one prompt `tokens [1, L]` (`lengths [1]` valid) into row `slot` of `state`
-  (donated) and samples its first token. Returns (token [1] int32, state)."""
-  logits, row = _prefill(params, tokens, lengths, config=config, plan=plan,
-                         block_size=block_size, impl=impl)
+def _first_token(logits, temperature, top_p, seed, min_tokens, eos):
+  """The first token `[1]` of a request from its prompt's last logits `[1, V]`."""
   zero = jnp.zeros((1,), jnp.int32)
-  first = sample_rows(logits, temperature, top_p, _keys(seed, zero),
-                      _ban(eos, zero, min_tokens, logits.shape[-1]))
+  return sample_rows(logits, temperature, top_p, _keys(seed, zero),
+                     _ban(eos, zero, min_tokens, logits.shape[-1]))
+
+
+def _prefill_or_last(params, inputs, lengths, *, config, plan, block_size, impl, lo):
+  """(logits [1, V], the request's row state): the whole prefill of tokens `inputs` (lo = 0),
+  or its last layer group [lo, N) from `inputs = (x [1, L, D], parts)` joined with the parts."""
+  if lo == 0:
+    return _prefill(params, inputs, lengths, config=config, plan=plan, block_size=block_size,
+                    impl=impl)
+  x, parts = inputs
+  logits, part = llama.prefill_layers(params, x, lengths, lo, config.num_layers, config=config,
+                                      plan=plan, block_size=block_size, impl=impl)
+  return logits, llama.join_layer_stacks(tuple(parts) + (part,),
+                                         llama.prefill_spans(config, plan))
+
+
+def prefill_group_program(params, inputs, lengths, *, config, plan, block_size, impl, lo, hi):
+  """Layers [lo, hi) (hi < N) of one prompt's prefill: `inputs` its tokens `[1, L]` (lo = 0)
+  or the hidden states `[1, L, D]` entering layer lo. Returns (the hidden states entering layer
+  hi, the stage-1 states of layers [lo, hi): a `LayerStack` part, `llama.prefill_layers`)."""
+  x = llama.embed(compute_params(params), config, inputs) if lo == 0 else inputs
+  return llama.prefill_layers(params, x, lengths, lo, hi, config=config, plan=plan,
+                              block_size=block_size, impl=impl)
+
+
+def admit_program(params, state, tokens, lengths, slot, temperature, top_p, seed, min_tokens,
+                  eos, *, config, plan, block_size, impl, lo=0):
+  """Prefills one prompt `tokens [1, L]` (`lengths [1]` valid) into row `slot` of `state`
+  (donated) and samples its first token. Returns (token [1] int32, state). With lo > 0 it is
+  the last layer group [lo, N) of a prompt prefilled in groups: `tokens` is `(x [1, L, D],
+  parts)` from the groups before it, and the row state is theirs joined as the one-call
+  prefill makes it (`llama.join_layer_stacks`)."""
+  logits, row = _prefill_or_last(params, tokens, lengths, config=config, plan=plan,
+                                 block_size=block_size, impl=impl, lo=lo)
+  first = _first_token(logits, temperature, top_p, seed, min_tokens, eos)
   return first, write_row(state, row, slot)
 
 
@@ -117,15 +155,13 @@ def init_paged_program(params, tokens, lengths, *, config, plan, slots, num_page
 
 
 def admit_paged_program(params, state, tokens, lengths, slot, page_ids, temperature, top_p, seed,
-                        min_tokens, eos, *, config, plan, sliding_groups, block_size, impl):
+                        min_tokens, eos, *, config, plan, sliding_groups, block_size, impl, lo=0):
   """`admit_program` into a paged pool: the request's rows go to pages `page_ids [NP]`.
   Returns (token [1], the most tokens a layer kept (the engine checks its pages hold them),
-  state)."""
-  logits, row = _prefill(params, tokens, lengths, config=config, plan=plan,
-                         block_size=block_size, impl=impl)
-  zero = jnp.zeros((1,), jnp.int32)
-  first = sample_rows(logits, temperature, top_p, _keys(seed, zero),
-                      _ban(eos, zero, min_tokens, logits.shape[-1]))
+  state). With lo > 0, the last layer group's call: `tokens` is `(x, parts)`."""
+  logits, row = _prefill_or_last(params, tokens, lengths, config=config, plan=plan,
+                                 block_size=block_size, impl=impl, lo=lo)
+  first = _first_token(logits, temperature, top_p, seed, min_tokens, eos)
   return (first, paged_pool.kept_tokens(row, sliding_groups),
           paged_pool.write_request(state, row, slot, page_ids, sliding_groups))
 

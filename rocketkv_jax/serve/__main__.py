@@ -15,6 +15,10 @@ import sys
 
 
 DEFAULT_BLOCK_SIZE = 128
+# A long prompt's prefill runs in this many layer groups, a decode call between two: SmolLM2's
+# ~24 s for a 7K prompt on a 2-core CPU becomes stalls of ~3 s (docs/serving.md, "Prefill in
+# layer groups"); at most the model's layers.
+DEFAULT_PREFILL_LAYER_GROUPS = 8
 
 
 class UsageError(ValueError):
@@ -66,6 +70,12 @@ def parser() -> argparse.ArgumentParser:
                       "many tokens, at least one admitted: a burst of long prompts stalls the "
                       "running requests one prompt at a time; 0: fill every free slot first "
                       "(default 2048)")
+  p.add_argument("--prefill-layer-groups", type=int, default=None,
+                 help="a prompt's prefill runs as this many calls over groups of consecutive "
+                      "layers, the running requests decoding between two: a long prompt "
+                      "stalls them ~1/groups of its prefill at a time; 1: one call; in [1, the "
+                      f"model's layers] (default min({DEFAULT_PREFILL_LAYER_GROUPS}, the "
+                      "model's layers))")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                  help="parameter and KV-cache dtype (default float32)")
   p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -101,6 +111,9 @@ def check(args: argparse.Namespace) -> None:
   if args.prefill_tokens_per_step < 0:
     raise UsageError(f"--prefill-tokens-per-step must be >= 0 (0: no limit), got "
                      f"{args.prefill_tokens_per_step}")
+  if args.prefill_layer_groups is not None and args.prefill_layer_groups < 1:
+    raise UsageError(f"--prefill-layer-groups must be >= 1 (1: one call), got "
+                     f"{args.prefill_layer_groups}")
   if args.block_size < 0:
     raise UsageError(f"--block-size must be >= 0 (0: no pages), got {args.block_size}")
   if args.max_waiting < 0:
@@ -132,11 +145,17 @@ def build_engine(args: argparse.Namespace):
   else:
     rocket_config = rocketkv.RocketConfig(token_budget=args.budget, method=args.method)
   max_model_len = args.max_model_len or min(4096, model.config.max_position_embeddings)
+  layers = model.config.num_layers
+  groups = args.prefill_layer_groups or min(DEFAULT_PREFILL_LAYER_GROUPS, layers)
+  if groups > layers:
+    raise UsageError(f"--prefill-layer-groups must be in [1, {layers}] (at most the model's "
+                     f"{layers} layers), got {groups}")
   return Engine(model, EngineConfig(
       rocket_config, max_model_len=max_model_len, max_new_tokens=args.max_new_tokens,
       max_num_seqs=args.max_num_seqs, kv_cache_mb=args.kv_cache_mb,
       max_waiting=args.max_waiting, steps_per_call=args.steps_per_call,
-      prefill_tokens_per_step=args.prefill_tokens_per_step or None, page_size=args.block_size or None))
+      prefill_tokens_per_step=args.prefill_tokens_per_step or None,
+      prefill_layer_groups=groups, page_size=args.block_size or None))
 
 
 def main(argv=None) -> None:
@@ -160,7 +179,8 @@ def main(argv=None) -> None:
   else:
     pool = f"{st.num_slots} slots of {st.slot_bytes / 2**20:.1f} MiB"
   print(f"rocketkv serve: {name}, {engine.plan.method} B={engine.plan.token_budget}, {pool}, "
-        f"max_model_len {engine.config.max_model_len}; compiling ...", file=sys.stderr,
+        f"max_model_len {engine.config.max_model_len}, prefill in "
+        f"{engine.config.prefill_layer_groups} layer group(s); compiling ...", file=sys.stderr,
         flush=True)
   print(f"rocketkv serve: compiled in {engine.warmup():.1f} s; serving "
         f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
