@@ -10,7 +10,10 @@ calls with a decode call between two). Reported: the longest gap between two con
 calls' ends while it is admitted (the stall the running requests see), the median gap before it
 arrived (one decode step), the decode calls the running requests got during its admission, its
 prefill seconds and the seconds the used programs took to compile. Each setting runs twice, the
-first pass compiling its programs (not reported); the machine's load is not controlled.
+first pass compiling its programs (not reported); the machine's load is not controlled. With
+`--warmup-only`, instead: the seconds `Engine.warmup()` takes (every program a server compiles
+before it listens) per group count, with the server's defaults (max_model_len 4096, pages of
+128 tokens, 8 slots).
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ def main(argv=None) -> int:
   ap.add_argument("--running-tokens", type=int, default=256, help="their prompts' tokens")
   ap.add_argument("--groups", default="1,8", help="comma-separated prefill_layer_groups")
   ap.add_argument("--page-size", type=int, default=128, help="0: slots, no pages")
+  ap.add_argument("--warmup-only", action="store_true",
+                  help="time Engine.warmup() per group count at the server's defaults instead")
   ap.add_argument("--out", default="runs/prefill_stall")
   a = ap.parse_args(argv)
   try:
@@ -89,6 +94,21 @@ def main(argv=None) -> int:
   model = rocketkv.models.load(path)
   rc = (rocketkv.RocketConfig.recommended(a.budget) if a.method == "recommended" else
         rocketkv.RocketConfig(token_budget=a.budget, method=a.method))
+  if a.warmup_only:
+    rows = []
+    for g in groups:
+      eng = Engine(model, EngineConfig(
+          rc, max_model_len=min(4096, model.config.max_position_embeddings), max_new_tokens=256,
+          max_num_seqs=8, page_size=128, prefill_layer_groups=g))
+      rows.append(dict(groups=g, warmup_s=eng.warmup(), programs=eng.num_programs,
+                       buckets=eng.buckets))
+      print(f"groups {g:3d}: warmup {rows[-1]['warmup_s']:6.1f} s, {eng.num_programs} programs "
+            f"({len(eng.buckets)} buckets)", flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "warmup.json"), "w") as f:
+      json.dump(dict(command=" ".join(["python3"] + sys.argv), model=a.model, rows=rows), f,
+                indent=1)
+    return 0
   tok = model.tokenizer
   long_prompt = bench_common.niah_prompt_ids(tok, a.prompt_tokens)[:a.prompt_tokens]
   running = [bench_common.niah_prompt_ids(tok, max(1024, a.running_tokens),
