@@ -149,8 +149,8 @@ class EngineConfig:
                                        or self.page_size < 1):
       raise ValueError(f"page_size must be None or an int >= 1, got {self.page_size!r}")
     if self.page_size is not None and self.impl not in ("auto", "xla"):
-      raise ValueError(f"impl must be 'auto' or 'xla' with page_size (the kernels read "
-                       f"contiguous caches), got {self.impl!r}")
+      raise ValueError(f"impl must be 'auto' or 'xla' with page_size ('auto' runs the paged "
+                       f"kernels on a GPU or TPU), got {self.impl!r}")
     if self.min_bucket & (self.min_bucket - 1):
       raise ValueError(f"min_bucket must be a power of two, got {self.min_bucket}")
     if self.kv_cache_mb is not None and not (isinstance(self.kv_cache_mb, (int, float))
