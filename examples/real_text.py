@@ -63,6 +63,17 @@ def _write_markdown(results: dict, path: str) -> str:
   return md
 
 
+def _load_results(paths, flag: str) -> list[dict]:
+  """The results JSONs of `--results`; ValueError when `flag` was given without them."""
+  if not paths:
+    raise ValueError(f"{flag} needs --results JSON [JSON ...]")
+  loaded = []
+  for path in paths:
+    with open(path) as f:
+      loaded.append(json.load(f))
+  return loaded
+
+
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
   p = argparse.ArgumentParser(description=__doc__,
@@ -104,12 +115,7 @@ def main(argv=None):
   a = p.parse_args(argv)
   if a.compare is not None:
     try:
-      if not a.results:
-        raise ValueError("--compare needs --results JSON [JSON ...]")
-      loaded = []
-      for path in a.results:
-        with open(path) as f:
-          loaded.append(json.load(f))
+      loaded = _load_results(a.results, "--compare")
       rows = real_text.compare(real_text.merge_records(loaded), *a.compare)
       if not rows:
         raise ValueError(f"no documents scored by both {a.compare[0]!r} and {a.compare[1]!r}")
@@ -125,13 +131,7 @@ def main(argv=None):
     return
   if a.plot is not None:
     try:
-      if not a.results:
-        raise ValueError("--plot needs --results JSON [JSON ...]")
-      loaded = []
-      for path in a.results:
-        with open(path) as f:
-          loaded.append(json.load(f))
-      real_text.plot_fidelity(loaded, a.plot, role=a.role)
+      real_text.plot_fidelity(_load_results(a.results, "--plot"), a.plot, role=a.role)
     except (OSError, ValueError, KeyError, ImportError) as e:
       print(f"error: {e}", file=sys.stderr)
       raise SystemExit(2) from None

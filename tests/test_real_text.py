@@ -209,7 +209,8 @@ def test_cli_user_errors_exit_2(capsys):
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
   import real_text as cli
 
-  for argv in (["--corpora", "nope"], ["--methods", "nope"], ["--docs", "0"]):
+  for argv in (["--corpora", "nope"], ["--methods", "nope"], ["--docs", "0"], ["--plot", "x.png"],
+               ["--compare", "full", "rocketkv"]):
     with pytest.raises(SystemExit) as e:
       cli.main(argv)
     assert e.value.code == 2
