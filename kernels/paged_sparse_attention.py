@@ -23,14 +23,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from rocketkv_jax import pages
 from rocketkv_jax._checks import group_size, require, require_rank
 from rocketkv_jax.ops import group_queries
 
-from ._util import (NEG_INF, cdiv, compiler_params, dot_precision, next_pow2, padded_dim,
-                    safe_max)
+from ._util import cdiv, compiler_params, dot_precision, next_pow2, padded_dim
+from .sparse_attention import gathered_attention
 
 _TARGET_PROGRAMS = 256  # as kernels/sparse_attention.py
 
@@ -89,42 +88,15 @@ def _kernel(q_ref, tbl_ref, idx_ref, k_ref, v_ref, *out_refs, block_k: int, num_
   """q_ref [Gp, Dp]; tbl_ref [NP] this sequence's pages; idx_ref [Ks] slots (-1: masked);
   k_ref, v_ref [N * Hkv * P, Dp] the whole pool as rows. Writes the `group` real rows only."""
   h = pl.program_id(1)
-  q = q_ref[...]
-  gp, dp = q.shape
 
-  def body(i, carry):
-    o, m, l = carry
-    ids = idx_ref[pl.ds(i * block_k, block_k)]  # [bk]
-    ok = ids >= 0
-    slot = jnp.maximum(ids, 0)
-    page = tbl_ref[slot // page_size]  # [bk] page ids, gathered from the table
-    rows = (page * num_kv_heads + h) * page_size + slot % page_size
-    kb = k_ref[rows].astype(q.dtype)  # [bk, Dp] gathered from their pages
-    vb = v_ref[rows]
-    s = plgpu.dot(q, kb, trans_b=True, precision=qk_precision) * scale  # [Gp, bk] float32
-    s = jnp.where(ok[None, :], s, NEG_INF)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    m_use = safe_max(m_new)
-    corr = jnp.exp(m - m_use)
-    p = jnp.exp(s - m_use[:, None])
-    l = corr * l + jnp.sum(p, axis=1)
-    o = corr[:, None] * o + plgpu.dot(p.astype(vb.dtype), vb, precision=pv_precision)
-    return o, m_new, l
+  def rows_of(slot):  # [bk] logical slots -> their rows in the pool, through the table
+    page = tbl_ref[slot // page_size]
+    return (page * num_kv_heads + h) * page_size + slot % page_size
 
-  o = jnp.zeros((gp, dp), jnp.float32)
-  m = jnp.full((gp,), NEG_INF, jnp.float32)
-  l = jnp.zeros((gp,), jnp.float32)
-  o, m, l = lax.fori_loop(0, num_blocks, body, (o, m, l))
-  real = jnp.arange(gp) < group
-  if normalize:
-    (o_ref,) = out_refs
-    plgpu.store(o_ref, (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype),
-                mask=real[:, None])
-  else:
-    o_ref, m_ref, l_ref = out_refs
-    plgpu.store(o_ref, o, mask=real[:, None])
-    plgpu.store(m_ref, m, mask=real)
-    plgpu.store(l_ref, l, mask=real)
+  gathered_attention(q_ref[...], k_ref, v_ref, idx_ref, out_refs, rows_of=rows_of,
+                     block_k=block_k, num_blocks=num_blocks, scale=scale,
+                     qk_precision=qk_precision, pv_precision=pv_precision,
+                     normalize=normalize, group=group)
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "interpret", "block_k", "num_splits",

@@ -34,19 +34,20 @@ from ._util import (NEG_INF, cdiv, check_decode_qkv, compiler_params, dot_precis
 _TARGET_PROGRAMS = 256
 
 
-def _kernel(q_ref, k_ref, v_ref, idx_ref, *out_refs, block_k: int, num_blocks: int,
-            scale: float, qk_precision, pv_precision, normalize: bool, group: int):
-  """q_ref [Gp, Dp]; k_ref, v_ref [C, Dp] (this KV head's whole cache); idx_ref [Ks].
-
-  Only the `group` real query rows are written (masked stores): padding rows cost no HBM."""
-  q = q_ref[...]
+def gathered_attention(q, k_ref, v_ref, idx_ref, out_refs, *, rows_of, block_k: int,
+                       num_blocks: int, scale: float, qk_precision, pv_precision,
+                       normalize: bool, group: int):
+  """One program's flash-decoding over the slots of idx_ref [Ks] (-1: masked), `block_k` at a
+  time: q [Gp, Dp]; `rows_of(slots [bk]) -> rows [bk]` of k_ref, v_ref to gather (the paged
+  kernel maps slots through its page table). Writes the normalised output, or the unnormalised
+  (o, m, l) of a split; only the `group` real query rows (masked stores)."""
   gp, dp = q.shape
 
   def body(i, carry):
     o, m, l = carry
     ids = idx_ref[pl.ds(i * block_k, block_k)]  # [bk]
     ok = ids >= 0
-    rows = jnp.maximum(ids, 0)
+    rows = rows_of(jnp.maximum(ids, 0))
     kb = k_ref[rows].astype(q.dtype)  # [bk, Dp] gathered rows
     vb = v_ref[rows]
     s = plgpu.dot(q, kb, trans_b=True, precision=qk_precision) * scale  # [Gp, bk] float32
@@ -73,6 +74,15 @@ def _kernel(q_ref, k_ref, v_ref, idx_ref, *out_refs, block_k: int, num_blocks: i
     plgpu.store(o_ref, o, mask=real[:, None])
     plgpu.store(m_ref, m, mask=real)
     plgpu.store(l_ref, l, mask=real)
+
+
+def _kernel(q_ref, k_ref, v_ref, idx_ref, *out_refs, block_k: int, num_blocks: int,
+            scale: float, qk_precision, pv_precision, normalize: bool, group: int):
+  """q_ref [Gp, Dp]; k_ref, v_ref [C, Dp] (this KV head's whole cache); idx_ref [Ks]."""
+  gathered_attention(q_ref[...], k_ref, v_ref, idx_ref, out_refs, rows_of=lambda slot: slot,
+                     block_k=block_k, num_blocks=num_blocks, scale=scale,
+                     qk_precision=qk_precision, pv_precision=pv_precision,
+                     normalize=normalize, group=group)
 
 
 def _check(q, k, v, idx, valid):
