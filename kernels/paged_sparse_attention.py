@@ -29,7 +29,7 @@ from rocketkv_jax._checks import group_size, require, require_rank
 from rocketkv_jax.ops import group_queries
 
 from ._util import cdiv, compiler_params, dot_precision, next_pow2, padded_dim
-from .sparse_attention import gathered_attention
+from .sparse_attention import gathered_attention, merge_splits, split_outputs
 
 _TARGET_PROGRAMS = 256  # as kernels/sparse_attention.py
 
@@ -158,27 +158,10 @@ def paged_sparse_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
               pl.BlockSpec((None, npg), lambda i, h, s: (i, 0)),
               pl.BlockSpec((None, None, None, ks), lambda i, h, s: (i, h, s, 0)),
               pool_spec, pool_spec]
-  if normalize:
-    out_shape = [jax.ShapeDtypeStruct((b, hkv, gp, dp), q.dtype)]
-    out_specs = [pl.BlockSpec((None, None, gp, dp), lambda i, h, s: (i, h, 0, 0))]
-  else:
-    out_shape = [jax.ShapeDtypeStruct((b, hkv, ns, gp, dp), jnp.float32),
-                 jax.ShapeDtypeStruct((b, hkv, ns, gp), jnp.float32),
-                 jax.ShapeDtypeStruct((b, hkv, ns, gp), jnp.float32)]
-    out_specs = [pl.BlockSpec((None, None, None, gp, dp), lambda i, h, s: (i, h, s, 0, 0)),
-                 pl.BlockSpec((None, None, None, gp), lambda i, h, s: (i, h, s, 0)),
-                 pl.BlockSpec((None, None, None, gp), lambda i, h, s: (i, h, s, 0))]
+  out_shape, out_specs = split_outputs(b, hkv, ns, gp, dp, q.dtype)
   outs = pl.pallas_call(
       kernel, grid=(b, hkv, ns), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
       name="rocketkv_paged_sparse_attention",
   )(qg, table.astype(jnp.int32), enc, k_rows, v_rows)
-  if normalize:
-    out = outs[0][:, :, :g, :d]
-  else:  # the split-K merge of kernels/sparse_attention.py
-    o, m, l = outs[0][:, :, :, :g, :d], outs[1][..., :g], outs[2][..., :g]
-    mx = lax.optimization_barrier(jnp.max(m, axis=2, keepdims=True))
-    w = jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0))
-    denom = jnp.maximum(jnp.sum(w * l, axis=2), 1e-30)
-    out = (jnp.sum(w[..., None] * o, axis=2) / denom[..., None]).astype(q.dtype)
-  return out.reshape(b, hq, d)
+  return merge_splits(outs, g, d, q.dtype).reshape(b, hq, d)

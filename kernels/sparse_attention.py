@@ -76,6 +76,34 @@ def gathered_attention(q, k_ref, v_ref, idx_ref, out_refs, *, rows_of, block_k: 
     plgpu.store(l_ref, l, mask=real)
 
 
+def split_outputs(b: int, hkv: int, ns: int, gp: int, dp: int, dtype):
+  """(out_shape, out_specs) of a grid (B, Hkv, S) of `gathered_attention` programs: with one
+  split the output [B, Hkv, Gp, Dp]; with S > 1 the partials o [B, Hkv, S, Gp, Dp] and m, l
+  [B, Hkv, S, Gp] in float32 (`merge_splits`)."""
+  if ns == 1:
+    return ([jax.ShapeDtypeStruct((b, hkv, gp, dp), dtype)],
+            [pl.BlockSpec((None, None, gp, dp), lambda i, h, s: (i, h, 0, 0))])
+  return ([jax.ShapeDtypeStruct((b, hkv, ns, gp, dp), jnp.float32),
+           jax.ShapeDtypeStruct((b, hkv, ns, gp), jnp.float32),
+           jax.ShapeDtypeStruct((b, hkv, ns, gp), jnp.float32)],
+          [pl.BlockSpec((None, None, None, gp, dp), lambda i, h, s: (i, h, s, 0, 0)),
+           pl.BlockSpec((None, None, None, gp), lambda i, h, s: (i, h, s, 0)),
+           pl.BlockSpec((None, None, None, gp), lambda i, h, s: (i, h, s, 0))])
+
+
+def merge_splits(outs, g: int, d: int, dtype) -> jax.Array:
+  """The outputs of `split_outputs` -> [B, Hkv, G, D] in `dtype`: the one split sliced, or the
+  split-K partials merged (rows past G were never written: sliced off first)."""
+  if len(outs) == 1:
+    return outs[0][:, :, :g, :d]
+  o, m, l = outs[0][:, :, :, :g, :d], outs[1][..., :g], outs[2][..., :g]
+  # Barrier as in jax's decode_attention: keep the max materialised before exp(m - max).
+  mx = lax.optimization_barrier(jnp.max(m, axis=2, keepdims=True))
+  w = jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0))  # [B, Hkv, S, G]
+  denom = jnp.maximum(jnp.sum(w * l, axis=2), 1e-30)
+  return (jnp.sum(w[..., None] * o, axis=2) / denom[..., None]).astype(dtype)
+
+
 def _kernel(q_ref, k_ref, v_ref, idx_ref, *out_refs, block_k: int, num_blocks: int,
             scale: float, qk_precision, pv_precision, normalize: bool, group: int):
   """q_ref [Gp, Dp]; k_ref, v_ref [C, Dp] (this KV head's whole cache); idx_ref [Ks]."""
@@ -151,28 +179,10 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, idx: jax.Array, v
   kv_spec = pl.BlockSpec((None, None, c, dp), lambda i, h, s: (i, h, 0, 0))
   in_specs = [pl.BlockSpec((None, None, gp, dp), lambda i, h, s: (i, h, 0, 0)), kv_spec, kv_spec,
               pl.BlockSpec((None, None, None, ks), lambda i, h, s: (i, h, s, 0))]
-  if normalize:
-    out_shape = [jax.ShapeDtypeStruct((b, hkv, gp, dp), q.dtype)]
-    out_specs = [pl.BlockSpec((None, None, gp, dp), lambda i, h, s: (i, h, 0, 0))]
-  else:
-    out_shape = [jax.ShapeDtypeStruct((b, hkv, ns, gp, dp), jnp.float32),
-                 jax.ShapeDtypeStruct((b, hkv, ns, gp), jnp.float32),
-                 jax.ShapeDtypeStruct((b, hkv, ns, gp), jnp.float32)]
-    out_specs = [pl.BlockSpec((None, None, None, gp, dp), lambda i, h, s: (i, h, s, 0, 0)),
-                 pl.BlockSpec((None, None, None, gp), lambda i, h, s: (i, h, s, 0)),
-                 pl.BlockSpec((None, None, None, gp), lambda i, h, s: (i, h, s, 0))]
+  out_shape, out_specs = split_outputs(b, hkv, ns, gp, dp, q.dtype)
   outs = pl.pallas_call(
       kernel, grid=(b, hkv, ns), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=compiler_params(num_warps, num_stages), interpret=interpret,
       name="rocketkv_sparse_attention",
   )(qg, k, v, enc)
-  if normalize:
-    out = outs[0][:, :, :g, :d]
-  else:  # merge the split-K partials (rows past G were never written: slice them off first)
-    o, m, l = outs[0][:, :, :, :g, :d], outs[1][..., :g], outs[2][..., :g]
-    # Barrier as in jax's decode_attention: keep the max materialised before exp(m - max).
-    mx = lax.optimization_barrier(jnp.max(m, axis=2, keepdims=True))
-    w = jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0))  # [B, Hkv, S, G]
-    denom = jnp.maximum(jnp.sum(w * l, axis=2), 1e-30)
-    out = (jnp.sum(w[..., None] * o, axis=2) / denom[..., None]).astype(q.dtype)
-  return out.reshape(b, hq, d)
+  return merge_splits(outs, g, d, q.dtype).reshape(b, hq, d)
