@@ -33,7 +33,7 @@ from rocketkv_jax.ops import group_queries
 
 from ._util import next_pow2
 from .paged_sparse_attention import check_paged_qkv, check_selection
-from .tpu_common import NEG_INF, interpret_params, safe_max
+from .tpu_common import NEG_INF, interpret_params, softmax_block
 from .tpu_sparse_attention import _table_size
 
 
@@ -108,7 +108,6 @@ def _kernel(count_ref, table_ref, q_ref, pages_ref, bits_ref, k_hbm, v_hbm, o_re
   in_page = rows % p
 
   def body(i, carry):
-    m, l, acc = carry
     slot = i % 2
 
     @pl.when(i + 1 < num_blocks)
@@ -127,17 +126,7 @@ def _kernel(count_ref, table_ref, q_ref, pages_ref, bits_ref, k_hbm, v_hbm, o_re
         mask_bits = jnp.where((rows // p == j) & (in_page // 32 == w),
                               bits_ref[(i * bp + j) * words + w], mask_bits)
     sel = (jnp.right_shift(mask_bits, in_page % 32) & 1) == 1  # [1, bp * P]
-    s = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32) * scale  # [G, bp * P]
-    s = jnp.where(sel, s, NEG_INF)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))  # [G, 1]
-    m_use = safe_max(m_new)
-    corr = jnp.exp(safe_max(m) - m_use)
-    pr = jnp.exp(s - m_use)
-    l = corr * l + jnp.sum(pr, axis=1, keepdims=True)
-    acc = corr * acc + jnp.dot(pr, vb, precision=lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32)
-    return m_new, l, acc
+    return softmax_block(q, kb, vb, sel, scale, carry)  # over the bp * P rows
 
   g, d = q.shape
   init = (jnp.full((g, 1), NEG_INF, jnp.float32), jnp.zeros((g, 1), jnp.float32),

@@ -32,7 +32,7 @@ from rocketkv_jax._checks import require
 from rocketkv_jax.ops import group_queries
 
 from ._util import check_decode_qkv
-from .tpu_common import NEG_INF, interpret_params, safe_max
+from .tpu_common import NEG_INF, interpret_params, softmax_block
 
 
 def page_table(idx: jax.Array, valid: jax.Array, capacity: int, page_size: int,
@@ -106,7 +106,6 @@ def _kernel(count_ref, q_ref, starts_ref, bits_ref, k_hbm, v_hbm, o_ref, kbuf, v
   rows = lax.broadcasted_iota(jnp.int32, (1, bp * p), 1)  # [1, bp * P]
 
   def body(i, carry):
-    m, l, acc = carry
     slot = i % 2
 
     @pl.when(i + 1 < num_blocks)
@@ -123,17 +122,7 @@ def _kernel(count_ref, q_ref, starts_ref, bits_ref, k_hbm, v_hbm, o_ref, kbuf, v
     for j in range(bp):
       mask_bits = jnp.where(rows // p == j, bits_ref[i * bp + j], mask_bits)
     sel = (jnp.right_shift(mask_bits, rows % p) & 1) == 1  # [1, bp * P]
-    s = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32) * scale  # [G, bp * P]
-    s = jnp.where(sel, s, NEG_INF)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))  # [G, 1]
-    m_use = safe_max(m_new)
-    corr = jnp.exp(safe_max(m) - m_use)
-    pr = jnp.exp(s - m_use)
-    l = corr * l + jnp.sum(pr, axis=1, keepdims=True)
-    acc = corr * acc + jnp.dot(pr, vb, precision=lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32)
-    return m_new, l, acc
+    return softmax_block(q, kb, vb, sel, scale, carry)  # over the bp * P rows
 
   g, d = q.shape
   init = (jnp.full((g, 1), NEG_INF, jnp.float32), jnp.zeros((g, 1), jnp.float32),
