@@ -34,6 +34,17 @@ from rocketkv_jax.ops import (bound_rows_and_query, bounds_of, chunk_valid, grou
 from ._util import cdiv, compiler_params, load_rows, next_pow2, padded_dim
 
 
+def padded_rows_and_query(qg, r: int, bounds2, group_dims: str):
+  """The r bound rows each KV head reads and the query on them, padded to rp = `padded_dim(r)`
+  for Triton: qg [B, Hkv, G, D] float32, bounds2 the two-sided bounds -> (rows [B, Hkv, rp]
+  int32, -1 past r; q_r [B, Hkv, G, rp], 0 past r; rp)."""
+  rp = padded_dim(r)
+  _, rows, q_r = bound_rows_and_query(qg, r, bounds2, group_dims)
+  rows = jnp.pad(rows.astype(jnp.int32), ((0, 0), (0, 0), (0, rp - r)), constant_values=-1)
+  q_r = jnp.pad(q_r, ((0, 0), (0, 0), (0, 0), (0, rp - r)))
+  return rows, q_r, rp
+
+
 def _kernel(rows_ref, q_ref, b_ref, o_ref, *, num_chunks: int, group: int, block_c: int):
   """rows [R] int32 (-1: padding), q [G, R] f32, bounds [2D, NC] -> logits o [G, block_c] f32."""
   tile = load_rows(b_ref, rows_ref[...], block_c, num_chunks).astype(jnp.float32)  # [R, block_c]
@@ -88,13 +99,8 @@ def approx_bounds_scores(q: jax.Array, bounds: jax.Array, length: jax.Array, *,
   b, hq, d = q.shape
   hkv, nc = bounds.shape[1], bounds.shape[3]
   g = hq // hkv
-  rp = padded_dim(r)
-
   qg = group_queries(q, hkv).astype(jnp.float32)
-  # [B, Hkv, r] rows of bounds, [B, Hkv, G, r]
-  _, rows, q_r = bound_rows_and_query(qg, r, two_sided(bounds, d), group_dims)
-  rows = jnp.pad(rows.astype(jnp.int32), ((0, 0), (0, 0), (0, rp - r)), constant_values=-1)
-  q_r = jnp.pad(q_r, ((0, 0), (0, 0), (0, 0), (0, rp - r)))
+  rows, q_r, rp = padded_rows_and_query(qg, r, two_sided(bounds, d), group_dims)
 
   bc = max(16, min(block_c, next_pow2(nc)))
   ncb = cdiv(nc, bc)

@@ -29,7 +29,8 @@ from rocketkv_jax._checks import group_size, require, require_rank
 from rocketkv_jax.ops import (bound_rows_and_query, chunk_valid, group_queries,
                               group_softmax_sum, two_sided)
 
-from ._util import cdiv, compiler_params, next_pow2, padded_dim
+from ._util import cdiv, compiler_params, next_pow2
+from .approx_scores import padded_rows_and_query
 
 
 def check_paged_bounds(q, bounds_pages, table, length, chunk_size, r):
@@ -121,11 +122,8 @@ def paged_approx_bounds_scores(q: jax.Array, bounds_pages: jax.Array, table: jax
   d = q.shape[2]
   g = q.shape[1] // hkv
   nrows, nc = bounds_pages.shape[2], npg * w
-  rp = padded_dim(r)
   qg = group_queries(q, hkv).astype(jnp.float32)
-  _, rows, q_r = bound_rows_and_query(qg, r, two_sided(bounds_pages, d), group_dims)
-  rows = jnp.pad(rows.astype(jnp.int32), ((0, 0), (0, 0), (0, rp - r)), constant_values=-1)
-  q_r = jnp.pad(q_r, ((0, 0), (0, 0), (0, 0), (0, rp - r)))
+  rows, q_r, rp = padded_rows_and_query(qg, r, two_sided(bounds_pages, d), group_dims)
 
   bc = max(16, min(block_c, next_pow2(nc)))
   ncb = cdiv(nc, bc)
