@@ -196,10 +196,12 @@ class _Prefilling:
 class Engine:
   """Continuous batching over `S` decode slots (module docstring). Thread-safe: `add_request`,
   `abort` and `stats` may be called from any thread while `start()`'s thread runs the loop;
-  or drive it by hand with `step()` (tests)."""
+  or drive it by hand with `step()` (tests). It serves the model's weights as they are when it
+  is built (read once: a model's `params` assembles its pytree on every read)."""
 
   def __init__(self, model, config: EngineConfig):
     self.model = model = as_model(model)
+    self.params = model.params
     self.config = config
     mc = model.config
     if config.max_model_len > mc.max_position_embeddings:
@@ -218,14 +220,14 @@ class Engine:
     self.eos_ids = decode_loop.default_eos_ids(model)
     self._eos = jnp.asarray(np.array(list(self.eos_ids) or [-1], np.int32))
     self._static = dict(config=mc, plan=self.plan, impl=config.impl)
-    self._mesh = sharding_lib.mesh_of(model.params)  # tensor parallel over KV heads, or None
+    self._mesh = sharding_lib.mesh_of(self.params)  # tensor parallel over KV heads, or None
     if self._mesh is not None:
       sharding_lib.check_mesh(mc, self._mesh)
 
     self.buckets = self._buckets()
     one = (jnp.zeros((1, self.buckets[0]), jnp.int32), jnp.ones((1,), jnp.int32))
     row = jax.eval_shape(functools.partial(programs._prefill, block_size=config.block_size,
-                                           **self._static), model.params, *one)[1]
+                                           **self._static), self.params, *one)[1]
     self.slot_bytes = _nbytes(row)
     self.sliding_groups = tuple(any(i in mc.window_layers for i in range(lo, hi))
                                 for lo, hi in row.spans)
@@ -273,6 +275,7 @@ class Engine:
     self._closed = False
     self._thread: threading.Thread | None = None
     self._exes: dict = {}
+    self._decode_exes: dict = {}  # rows -> the decode program (its lookup off the hot path)
     self._counters = collections.Counter()
     # host mirror of each slot's decode inputs
     self._last = np.zeros(slots, np.int32)
@@ -289,12 +292,12 @@ class Engine:
       self._released: list[int] = []  # pages of ended requests, free once their slots release
       self._release_mask = np.zeros(slots, bool)
       self.state = self._program(
-          "init", programs.init_paged_program, (), model.params, *one, slots=slots,
+          "init", programs.init_paged_program, (), self.params, *one, slots=slots,
           num_pages=self.num_pages, page_size=self.page_size, pages_per_seq=self.pages_per_seq,
-          sliding_groups=self.sliding_groups, block_size=config.block_size)(model.params, *one)
+          sliding_groups=self.sliding_groups, block_size=config.block_size)(self.params, *one)
     else:
-      self.state = self._program("init", programs.init_program, (), model.params, *one,
-                                 slots=slots, block_size=config.block_size)(model.params, *one)
+      self.state = self._program("init", programs.init_program, (), self.params, *one,
+                                 slots=slots, block_size=config.block_size)(self.params, *one)
 
   # ------------------------------------------------------------------ programs
   def _buckets(self) -> tuple[int, ...]:
@@ -348,14 +351,14 @@ class Engine:
     paged = () if not self.paged else (
         np.full(self.pages_per_seq, self.num_pages, np.int32) if page_ids is None
         else page_ids,)
-    return (self.model.params, self.state, tokens, np.array([length], np.int32),
+    return (self.params, self.state, tokens, np.array([length], np.int32),
             np.int32(slot), *paged, np.array([p.temperature], np.float32),
             np.array([p.top_p], np.float32), np.array([seed], np.uint32),
             np.array([p.min_tokens], np.int32), self._eos)
 
   def _decode_args(self, rows=None):
     r = slice(rows)
-    return (self.model.params, self.state, self._last[r], self._pos[r], self._ngen[r],
+    return (self.params, self.state, self._last[r], self._pos[r], self._ngen[r],
             self._temp[r], self._top_p[r], self._seed[r], self._min_tokens[r], self._eos)
 
   def _decode_rows(self) -> int | None:
@@ -401,6 +404,15 @@ class Engine:
                          sliding_groups=self.sliding_groups)
 
   def _decode_exe(self, args):
+    # A decode call's argument shapes depend only on its row count (the state and parameters
+    # never change shape), so its program is found by that count: `_program`'s signature walks
+    # every leaf of the parameters and the state, a cost paid on every step otherwise.
+    rows = len(args[2])
+    if rows not in self._decode_exes:
+      self._decode_exes[rows] = self._lookup_decode_exe(args)
+    return self._decode_exes[rows]
+
+  def _lookup_decode_exe(self, args):
     if self.paged:
       return self._program(f"decode{len(args[2])}", programs.decode_rows_program, (1,), *args,
                            steps=self.config.steps_per_call, sliding_groups=self.sliding_groups)
@@ -421,7 +433,7 @@ class Engine:
       if len(bounds) > 2:  # layer groups: G - 1 group programs, then the last one
         lengths, parts = np.ones((1,), np.int32), ()
         for lo, hi in zip(bounds[:-2], bounds[1:-1]):
-          args = (self.model.params, carried, lengths)
+          args = (self.params, carried, lengths)
           self._group_exe(b, lo, hi, args)
           carried, part = self._abstract(programs.prefill_group_program, *args, lo=lo, hi=hi,
                                          block_size=self.config.block_size)
@@ -616,7 +628,7 @@ class Engine:
     n = len(p.req.prompt_ids)
     lengths = np.array([n], np.int32)
     if hi < bounds[-1]:
-      args = (self.model.params, p.tokens if g == 0 else p.x, lengths)
+      args = (self.params, p.tokens if g == 0 else p.x, lengths)
       try:
         exe = self._group_exe(p.bucket, lo, hi, args)
         t0 = time.perf_counter()
