@@ -31,10 +31,15 @@ max_new_tokens=plan.max_new_tokens`, alone or among others.
 Memory, two ways. Slots (`page_size=None`): each slot reserves its plan's whole capacity; with
 `kv_cache_mb`, `S` is the number of slots that fit (at most `max_num_seqs`), and a compressing
 method's capacity is smaller, so the same pool holds more requests. Pages (`page_size=P`,
-`paged_pool.py`): the `max_num_seqs` slots share a pool of pages; a request takes the pages of
-its kept prompt tokens + max_tokens when it is admitted (it waits in the queue until they are
-free: nothing is preempted or runs out of memory later) and returns them when it ends, so short
-requests hold little and as many run as their pages allow.
+`paged_pool.py`): the `max_num_seqs` slots share a pool of pages, taken two ways
+(`page_allocation`). "reserve": a request takes the pages of its kept prompt tokens +
+max_tokens when it is admitted (it waits in the queue until they are free: nothing is preempted
+or runs out of memory later) and returns them when it ends, so short requests hold little and
+as many run as their pages allow. "lazy" (vLLM's way): it takes the pages of its kept prompt
+and first decode call, and before each decode call the pages its next call fills; when the
+pool runs dry the most recently admitted request is preempted: its pages go back, and it waits
+at the head of the queue to be recomputed from its prompt, regenerating (and checking, not
+emitting again) the tokens it had sent.
 """
 
 from __future__ import annotations
@@ -102,8 +107,15 @@ class EngineConfig:
     page_size: None: each slot reserves its plan's whole capacity (the slots are the unit of
       memory). An int P: a paged pool (`paged_pool.py`): K, V and the method's summaries
       live in pages of about P tokens (rounded up to whole chunks / code bytes) shared by the
-      `max_num_seqs` slots; a request holds the pages of its kept prompt tokens + max_tokens,
-      taken when it is admitted (it waits until they are free) and returned when it ends.
+      `max_num_seqs` slots, taken as `page_allocation` says and returned when it ends.
+    page_allocation: with pages, "reserve": a request takes the pages of its kept prompt
+      tokens + max_tokens when it is admitted (it waits until they are free; never
+      preempted). "lazy": it takes those of its kept prompt + its first `steps_per_call`
+      tokens, then before each decode call those its next call fills; it is admitted only
+      while the free pages left cover one decode call of every admitted request (ceil(
+      steps_per_call / P) pages each), and when the pool runs dry the most recently admitted
+      request is preempted and later recomputed (its output as if it ran through). Ignored
+      without pages.
     min_bucket: the smallest prompt length bucket (a power of two).
     block_size: prefill attention tile.
     impl: "auto" | "xla" | "pallas" for the KV method's hot path.
@@ -119,6 +131,7 @@ class EngineConfig:
   prefill_tokens_per_step: int | None = None
   prefill_layer_groups: int = 1
   page_size: int | None = None
+  page_allocation: str = "reserve"
   min_bucket: int = 64
   block_size: int = 512
   impl: str = "auto"
@@ -148,6 +161,9 @@ class EngineConfig:
                                        or not isinstance(self.page_size, int)
                                        or self.page_size < 1):
       raise ValueError(f"page_size must be None or an int >= 1, got {self.page_size!r}")
+    if self.page_allocation not in ("reserve", "lazy"):
+      raise ValueError(f"page_allocation must be 'reserve' or 'lazy', got "
+                       f"{self.page_allocation!r}")
     if self.page_size is not None and self.impl not in ("auto", "xla"):
       raise ValueError(f"impl must be 'auto' or 'xla' with page_size ('auto' runs the paged "
                        f"kernels on a GPU or TPU), got {self.impl!r}")
@@ -177,6 +193,8 @@ class EngineStats:
   prefill_seconds_total: float  # wall time in admissions (prefill + first token)
   decode_seconds_total: float  # wall time in decode calls
   num_prefilling: int = 0  # admitted, their prefill in layer groups under way
+  num_preemptions: int = 0  # requests preempted so far (lazy pages: the pool ran dry)
+  recomputed_tokens_total: int = 0  # generated tokens regenerated after those preemptions
 
 
 @dataclasses.dataclass
@@ -232,6 +250,7 @@ class Engine:
     self.sliding_groups = tuple(any(i in mc.window_layers for i in range(lo, hi))
                                 for lo, hi in row.spans)
     self.paged = config.page_size is not None
+    self.lazy = self.paged and config.page_allocation == "lazy"
     slots = config.max_num_seqs
     if self.paged:
       paged_pool.check_pageable(row, self.sliding_groups, self.plan)
@@ -271,11 +290,13 @@ class Engine:
     self._prefilling: list[_Prefilling] = []  # admitted, prefill in layer groups under way
     self._slots: list[Request | None] = [None] * slots
     self._ids = itertools.count()
+    self._admissions = itertools.count()  # admission order (lazy pages: the latest preempted)
     self._requests: dict[str, Request] = {}
     self._closed = False
     self._thread: threading.Thread | None = None
     self._exes: dict = {}
     self._decode_exes: dict = {}  # rows -> the decode program (its lookup off the hot path)
+    self._tables = None  # lazy pages: the program that writes page tables
     self._counters = collections.Counter()
     # host mirror of each slot's decode inputs
     self._last = np.zeros(slots, np.int32)
@@ -291,6 +312,7 @@ class Engine:
       self._slot_pages: list[list[int]] = [[] for _ in range(slots)]
       self._released: list[int] = []  # pages of ended requests, free once their slots release
       self._release_mask = np.zeros(slots, bool)
+      self._table_dirty = np.zeros(slots, bool)  # lazy: rows the next tables call rewrites
       self.state = self._program(
           "init", programs.init_paged_program, (), self.params, *one, slots=slots,
           num_pages=self.num_pages, page_size=self.page_size, pages_per_seq=self.pages_per_seq,
@@ -403,6 +425,13 @@ class Engine:
     return self._program("release", programs.release_program, (0,), *args,
                          sliding_groups=self.sliding_groups)
 
+  def _tables_exe(self, args):
+    # found once (as the decode program): `_program`'s signature walks every state leaf
+    if self._tables is None:
+      self._tables = self._program("tables", programs.tables_program, (0,), *args,
+                                   sliding_groups=self.sliding_groups)
+    return self._tables
+
   def _decode_exe(self, args):
     # A decode call's argument shapes depend only on its row count (the state and parameters
     # never change shape), so its program is found by that count: `_program`'s signature walks
@@ -447,6 +476,9 @@ class Engine:
     if self.paged:
       self._release_exe((self.state, self._release_mask))
       self._move_exe((self.state, np.int32(0), np.int32(0)))
+    if self.lazy:
+      self._tables_exe((self.state, np.zeros((self.num_slots, self.pages_per_seq), np.int32),
+                        np.zeros(self.num_slots, bool)))
     return self._counters["compile_s"] - t0
 
   @property
@@ -555,7 +587,9 @@ class Engine:
           requests_finished_total=int(self._counters["finished"]),
           prefill_seconds_total=float(self._counters["prefill_s"]),
           decode_seconds_total=float(self._counters["decode_s"]),
-          num_prefilling=len(self._prefilling))
+          num_prefilling=len(self._prefilling),
+          num_preemptions=int(self._counters["preemptions"]),
+          recomputed_tokens_total=int(self._counters["recomputed_tokens"]))
 
   # ------------------------------------------------------------------ the loop
   def has_work(self) -> bool:
@@ -566,7 +600,8 @@ class Engine:
   def step(self) -> None:
     """One iteration: drop cancelled requests, run the next layer group of each prefilling
     request (the last one joins the batch), admit waiting ones (prefill, or its first layer
-    group), then one decode call over the slots if any is busy."""
+    group), then one decode call over the slots if any is busy (lazy pages: once they hold the
+    pages it fills, `_grow`)."""
     self._reap()
     self._release()
     for p in list(self._prefilling):  # one group each: a decode call comes between two
@@ -584,8 +619,8 @@ class Engine:
           continue
         taken = []
         if self.paged:  # first come, first served: the head waits until its pages are free
-          need = self.pages_needed(len(req.prompt_ids), req.params.max_tokens)
-          if need > len(self._free_pages):
+          need = self._admission_pages(len(req.prompt_ids), req.params.max_tokens)
+          if need + self._watermark() > len(self._free_pages):
             break
           taken = self._free_pages[:need]
           del self._free_pages[:need]
@@ -593,6 +628,7 @@ class Engine:
             self._slot_pages[free[0]] = taken
             self._release_mask[free[0]] = False  # the admission rewrites the slot's table
         self._waiting.popleft()
+        req.admission = next(self._admissions)
       prefilled += len(req.prompt_ids)
       if len(self.layer_bounds) == 2:
         self._admit(req, free[0], self._page_ids(taken))
@@ -605,6 +641,8 @@ class Engine:
       with self._lock:
         self._prefilling.append(p)
       self._prefill_group(p)
+    if self.lazy and any(r is not None for r in self._slots):
+      self._grow()
     if any(r is not None for r in self._slots):
       self._decode()
 
@@ -663,8 +701,92 @@ class Engine:
     self._end(p.req, reason, error)
 
   def pages_needed(self, prompt_len: int, max_tokens: int) -> int:
-    """Pages a request takes in a paged pool: its kept prompt tokens + max_tokens."""
+    """Pages a request takes in a paged pool: its kept prompt tokens + max_tokens (its worst
+    case; under lazy allocation it never holds more)."""
     return min(self.pages_per_seq, -(-(self._kept(prompt_len) + max_tokens) // self.page_size))
+
+  def _admission_pages(self, prompt_len: int, max_tokens: int) -> int:
+    """Pages a request takes when it is admitted: all it may need ("reserve"), or those of its
+    kept prompt tokens and its first decode call ("lazy")."""
+    need = self.pages_needed(prompt_len, max_tokens)
+    if not self.lazy:
+      return need
+    first = self._kept(prompt_len) + self.config.steps_per_call
+    return min(need, -(-first // self.page_size))
+
+  def _watermark(self) -> int:
+    """(lock held) Free pages an admission must leave ("lazy"): one decode call's worth for
+    every admitted request, so that admitting does not preempt at the next call."""
+    if not self.lazy:
+      return 0
+    busy = sum(r is not None for r in self._slots) + len(self._prefilling)
+    return busy * -(-self.config.steps_per_call // self.page_size)
+
+  def _pages_wanted(self, slot: int) -> int:
+    """(lock held) New pages the request in `slot` needs for its next decode call: those its
+    cache's rows fill (up to its `pages_needed`; a finished request's extra steps write into
+    the scratch page past them)."""
+    req = self._slots[slot]
+    limit = self.pages_needed(len(req.prompt_ids), req.params.max_tokens)
+    # the cache holds `_held - 1` rows (the last token is appended by the next call)
+    rows = int(self._held[slot]) - 1 + self.config.steps_per_call
+    return max(0, min(limit, -(-rows // self.page_size)) - len(self._slot_pages[slot]))
+
+  def _grow(self) -> None:
+    """("lazy") Gives every running request the pages its next decode call fills, preempting
+    the most recently admitted requests while the free pages fall short, then writes the page
+    tables that changed in one call."""
+    with self._lock:
+      while True:
+        want = {i: self._pages_wanted(i) for i, r in enumerate(self._slots) if r is not None}
+        if sum(want.values()) <= len(self._free_pages):
+          break
+        if self._released or self._release_mask.any():
+          # requests ended since this step's release: their tables go to the scratch page in
+          # this call, before the decode call, so their pages are free now
+          self._table_dirty |= self._release_mask
+          self._release_mask[:] = False
+          self._free_pages += self._released
+          self._released = []
+          continue
+        self._preempt(max([r for r in self._slots if r is not None]
+                          + [p.req for p in self._prefilling], key=lambda r: r.admission))
+      for i, n in want.items():
+        if n:
+          self._slot_pages[i] += self._free_pages[:n]
+          del self._free_pages[:n]
+          self._table_dirty[i] = True
+      mask = self._table_dirty.copy()
+      if not mask.any():
+        return
+      rows = np.full((self.num_slots, self.pages_per_seq), paged_pool.SCRATCH, np.int32)
+      for i in np.flatnonzero(mask):
+        rows[i, :len(self._slot_pages[i])] = self._slot_pages[i]
+      self._table_dirty[:] = False
+    args = (self.state, rows, mask)
+    self.state = self._tables_exe(args)(*args)
+
+  def _preempt(self, req: Request) -> None:
+    """(lock held) Takes the slot (or prefill) and every page of a running or prefilling
+    request back and puts it at the head of the queue: it is recomputed from its prompt, and
+    regenerates the tokens it has sent before it sends new ones (`Request.preempt`)."""
+    p = next((p for p in self._prefilling if p.req is req), None)
+    if p is not None:  # its pages were never in a table
+      self._prefilling.remove(p)
+      self._free_pages += p.pages
+      p.pages, p.x, p.parts = [], None, ()
+    else:  # its table row goes to the scratch page in this step's tables call
+      slot = self._slots.index(req)
+      self._slots[slot] = None
+      self._held[slot] = 0
+      self._temp[slot] = 0.0
+      self._free_pages += self._slot_pages[slot]
+      self._slot_pages[slot] = []
+      self._table_dirty[slot] = True
+    self._counters["preemptions"] += 1
+    self._counters["recomputed_tokens"] += len(req.generated)
+    req.preempt()
+    self._waiting.appendleft(req)
 
   def _release(self) -> None:
     """Points the tables of the slots freed since the last call at the scratch page, then
@@ -741,6 +863,7 @@ class Engine:
         first, self.state = exe(*args)
       first = int(np.asarray(first)[0])
       self._counters["prefill_s"] += time.perf_counter() - t0
+      replay = req.replaying  # a preempted request's first token was sent already
     except Exception as e:  # pylint: disable=broad-except
       with self._lock:
         if self.paged:  # the pages were never written into the slot's table
@@ -760,7 +883,7 @@ class Engine:
       self._temp[slot], self._top_p[slot] = req.params.temperature, req.params.top_p
       self._seed[slot], self._min_tokens[slot] = seed, req.params.min_tokens
       self._held[slot] = self._kept(n) + 1
-      self._counters["generation_tokens"] += 1
+      self._counters["generation_tokens"] += 0 if replay else 1
     req.add_tokens([first])
     if req.finished:
       with self._lock:

@@ -171,6 +171,12 @@ def release_program(state, free, *, sliding_groups, **_):
   return paged_pool.release(state, free, sliding_groups)
 
 
+def tables_program(state, rows, mask, *, sliding_groups, **_):
+  """The slots where `mask [S]` holds get the page tables `rows [S, NP]` (`paged_pool.
+  set_tables`): a lazily paged request's pages as it grows, or none once it is preempted."""
+  return paged_pool.set_tables(state, rows, mask, sliding_groups)
+
+
 def decode_program(params, state, last, positions, n_generated, temperature, top_p, seed,
                    min_tokens, eos, *, config, plan, steps, impl):
   """`steps` decode steps of every slot. `last [S]`: each slot's last sampled token, at

@@ -3,6 +3,7 @@
     pool = empty_pool(row, S, N, P, NP, sliding)          # N pages of P tokens, NP per slot
     pool = write_request(pool, row, slot, page_ids, sliding)  # a prefilled request moves in
     pool = release(pool, free, sliding)                   # freed slots' tables -> scratch
+    pool = set_tables(pool, rows, mask, sliding)          # new tables of the slots in mask
     pool = move_row(pool, src, dst, sliding)              # a request changes slot
     sub = take_rows(pool, R, sliding); pool = put_rows(pool, sub, sliding)  # slots [0, R)
 
@@ -135,9 +136,9 @@ def _write(pool, row, slot, page_ids):
                       v_sum=at(pool.v_sum, row.v_sum))
 
 
-def _release(pool, free):
+def _set_table(pool, rows, mask):
   cache = pool if isinstance(pool, KVCache) else pool.cache
-  table = jnp.where(free[:, None], SCRATCH, cache.table)
+  table = jnp.where(mask[:, None], rows, cache.table).astype(cache.table.dtype)
   cache = cache.replace(table=table)
   return cache if isinstance(pool, KVCache) else pool.replace(cache=cache)
 
@@ -190,12 +191,19 @@ def release(pool: llama.LayerStack, free: jax.Array,
             sliding_groups: tuple[bool, ...]) -> llama.LayerStack:
   """The slots where `free [S]` holds point at the scratch page only (their pages may be
   given to other requests)."""
+  return set_tables(pool, jnp.full((1, 1), SCRATCH, jnp.int32), free, sliding_groups)
+
+
+def set_tables(pool: llama.LayerStack, rows: jax.Array, mask: jax.Array,
+               sliding_groups: tuple[bool, ...]) -> llama.LayerStack:
+  """The slots where `mask [S]` holds get the page table `rows [S, NP]` (broadcast) in every
+  paged layer: pages given to a request as it grows, or taken back (SCRATCH)."""
   out = []
   for slide, (stacked, g) in zip(sliding_groups, _groups(pool)):
     if slide:
       out.append(g)
       continue
-    fn = lambda g: _release(g, free)
+    fn = lambda g: _set_table(g, rows, mask)
     out.append(jax.vmap(fn)(g) if stacked else fn(g))
   return pool.replace(groups=tuple(out))
 

@@ -120,16 +120,40 @@ class Request:
     self._cut = False      # a stop string was found: `_text` ends before it
     self._sent_text = 0    # characters of `_text` already emitted
     self._sent_tokens = 0  # tokens of `generated` already emitted
+    self._replay_at = 0    # after a preemption: tokens of `generated` regenerated so far
+    self._replay_end = 0   # ... of the len(generated) to regenerate before new ones count
+    self.admission = -1    # the engine's count of its latest admission (preemption order)
 
   @property
   def finished(self) -> bool:
     return self.finish_reason is not None
 
+  @property
+  def replaying(self) -> bool:
+    """True while a preempted request regenerates tokens it has already emitted."""
+    return self._replay_at < self._replay_end
+
+  def preempt(self) -> None:
+    """The engine took its slot back: it is recomputed from its prompt, and the tokens it has
+    generated so far are regenerated (checked, not emitted again) before new ones count."""
+    self._replay_at, self._replay_end = 0, len(self.generated)
+
   def add_tokens(self, tokens: Sequence[int]) -> None:
     """Takes the tokens one engine call sampled for it, stopping at EOS, max_tokens or a stop
-    string (what comes after is dropped). Emits one `Output`."""
+    string (what comes after is dropped). Emits one `Output`. After a preemption the first
+    tokens regenerate the ones already emitted: each must equal its earlier value (sampling is
+    deterministic per request and token index), else the request ends with an error."""
+    i = 0
+    while self.replaying and i < len(tokens) and not self.finished:
+      t, want = int(tokens[i]), self.generated[self._replay_at]
+      if t != want:
+        self.finish("error", f"recomputing the request after a preemption gave token {t} at "
+                             f"index {self._replay_at}, not the {want} already sent")
+        return
+      self._replay_at += 1
+      i += 1
     p = self.params
-    for t in tokens:
+    for t in tokens[i:]:
       if self.finished:
         break
       t = int(t)

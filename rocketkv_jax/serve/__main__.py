@@ -48,9 +48,15 @@ def parser() -> argparse.ArgumentParser:
                       "requests of the plan's capacity)")
   p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                  help=f"tokens per KV page (rounded up to whole chunks of the method's "
-                      f"summaries); a request holds the pages of its kept prompt + max_tokens. "
+                      f"summaries), taken as --page-allocation says. "
                       f"0: no pages, each slot reserves the plan's whole capacity (default "
                       f"{DEFAULT_BLOCK_SIZE})")
+  p.add_argument("--page-allocation", default="reserve", choices=["reserve", "lazy"],
+                 help="with --block-size: reserve: a request takes the pages of its kept prompt "
+                      "+ max_tokens when admitted (never preempted); lazy: the pages of its "
+                      "prompt, then more as it generates, and the most recently admitted "
+                      "request is preempted (later recomputed, its output unchanged) when the "
+                      "pool runs dry (default reserve)")
   p.add_argument("--max-num-seqs", type=int, default=8,
                  help="decode slots: requests decoding at once, at most (default 8)")
   p.add_argument("--max-model-len", type=int, default=None,
@@ -155,7 +161,8 @@ def build_engine(args: argparse.Namespace):
       max_num_seqs=args.max_num_seqs, kv_cache_mb=args.kv_cache_mb,
       max_waiting=args.max_waiting, steps_per_call=args.steps_per_call,
       prefill_tokens_per_step=args.prefill_tokens_per_step or None,
-      prefill_layer_groups=groups, page_size=args.block_size or None))
+      prefill_layer_groups=groups, page_size=args.block_size or None,
+      page_allocation=args.page_allocation))
 
 
 def main(argv=None) -> None:

@@ -49,7 +49,11 @@ class _EngineCollector:
         ("prefill_seconds", "Wall seconds the engine spent prefilling prompts.",
          s.prefill_seconds_total),
         ("decode_seconds", "Wall seconds the engine spent in decode steps.",
-         s.decode_seconds_total)):
+         s.decode_seconds_total),
+        ("num_preemptions", "Requests preempted (lazy pages: the pool ran dry) to be "
+         "recomputed.", s.num_preemptions),
+        ("recomputed_tokens", "Generated tokens regenerated after preemptions.",
+         s.recomputed_tokens_total)):
       yield CounterMetricFamily(f"rocketkv:{name}", doc, value=value)
 
 
