@@ -10,13 +10,13 @@ sampling), streamed once, stop strings and counters as if it had run through. Re
 
 from __future__ import annotations
 
+import threading
 import types
 
-import numpy as np
 import pytest
 
 import rocketkv_jax as rocketkv
-from rocketkv_jax.runtime.engine import Engine, EngineConfig, EngineStats, SamplingParams
+from rocketkv_jax.runtime.engine import EngineConfig, EngineStats, SamplingParams
 from rocketkv_jax.runtime.requests import Request
 from model_fixtures import gemma3_checkpoint, hf_checkpoint
 from test_engine import CONFIGS, _engine, _prompts, _reference
@@ -126,6 +126,35 @@ def test_lazy_runs_more_at_once_and_preempted_requests_stay_exact(name, kw):
   assert st.prompt_tokens_total == sum(map(len, prompts))
 
 
+def test_a_prefilling_request_is_preempted_first():
+  """In layer groups a request admitted (its pages taken) but still prefilling is the latest
+  admitted: it is the first preempted, and recomputed exactly. Requests arrive while others
+  decode, and admission keeps no watermark, so that the pool runs dry during a prefill."""
+  model, rc = _model(), CONFIGS["rocketkv"]
+  prompts = _prompts((20, 30, 12, 25, 8, 31, 15, 27), seed=4)
+  eng = _tight(model, rc, "lazy", prefill_layer_groups=2)
+  eng._watermark = lambda: 0
+  kinds = []
+  preempt = eng._preempt
+
+  def spy(req):
+    kinds.append("prefilling" if any(p.req is req for p in eng._prefilling) else "running")
+    preempt(req)
+
+  eng._preempt = spy
+  handles, steps = [], 0
+  while len(handles) < len(prompts) or eng.has_work():
+    if len(handles) < len(prompts) and steps % 3 == 0:
+      handles.append(eng.add_request(prompts[len(handles)], LONG))
+    eng.step()
+    _check_pool(eng)
+    steps += 1
+  assert "prefilling" in kinds
+  for p, h in zip(prompts, handles):
+    assert h.result().token_ids == _reference(model, eng, rc, p, LONG.max_tokens)
+  _assert_empty(eng)
+
+
 def test_seeded_sampling_is_the_same_with_and_without_preemption():
   """(c) temperature > 0, a seed per request, two steps per call (a replay ends inside a
   call): the tokens of a roomy pool's run, preempted or not."""
@@ -226,6 +255,33 @@ def test_cancel_during_replay_frees_every_page():
     if i != k:
       assert h.result().token_ids == _reference(model, eng, rc, prompts[i], LONG.max_tokens)
   _assert_empty(eng)
+
+
+def test_threaded_lazy_engine_serves_concurrent_clients():
+  """The engine's own thread (as the server runs it) with clients on theirs: preemptions, and
+  every answer its alone result."""
+  model, rc = _model(), CONFIGS["full"]
+  prompts = _prompts(LENGTHS, seed=4)
+  eng = _tight(model, rc, "lazy")
+  results = [None] * len(prompts)
+  queued = threading.Barrier(len(prompts) + 1)  # all queued before the loop starts: it preempts
+
+  def client(i):
+    handle = eng.add_request(prompts[i], LONG)
+    queued.wait()
+    results[i] = handle.result()
+
+  threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+  for t in threads:
+    t.start()
+  queued.wait()
+  eng.start()
+  for t in threads:
+    t.join(120)
+  eng.shutdown()
+  assert eng.stats().num_preemptions > 0
+  for p, r in zip(prompts, results):
+    assert r.token_ids == _reference(model, eng, rc, p, LONG.max_tokens)
 
 
 def test_paged_gemma3_hybrid_lazy():
