@@ -133,7 +133,8 @@ def dense_attention_xla(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Arr
 
 
 def attend_dense_before_append(q: jax.Array, cache: KVCache, k_new: jax.Array,
-                               v_new: jax.Array, *, sliding_window: int | None = None
+                               v_new: jax.Array, *, sliding_window: int | None = None,
+                               appended: KVCache | None = None, impl: str = "xla"
                                ) -> jax.Array:
   """Dense attention of the token about to be appended: over the valid slots of `cache` (as it
   is before `append(cache, k_new, v_new)`) plus the new token itself.
@@ -141,7 +142,18 @@ def attend_dense_before_append(q: jax.Array, cache: KVCache, k_new: jax.Array,
   Same numbers as `attend(q, append(cache, k_new, v_new))`, but it reads the cache before the
   append writes it, so a jitted step updates a donated cache in place (XLA:CPU otherwise copies
   every K/V buffer each step). Returns [B, Hq, D] in q's dtype.
+
+  A paged cache given `appended` (the cache after that append) and a kernel `impl` reads
+  `appended`'s every slot with the paged attention kernel on CUDA / TPU (one pass over each
+  sequence's pages, through its table); the XLA path stays the read before the append.
   """
+  if cache.paged and appended is not None and impl != "xla":
+    return _impl.dispatch(
+        _impl.for_pages(impl),
+        lambda: attend_dense_before_append(q, cache, k_new, v_new,
+                                           sliding_window=sliding_window),
+        lambda interpret: _paged_dense_kernel(q, appended, sliding_window, False, interpret),
+        tpu=lambda interpret: _paged_dense_kernel(q, appended, sliding_window, True, interpret))
   check_query(q, cache)
   c = cache.capacity
   slot = jnp.arange(c)
@@ -156,6 +168,20 @@ def attend_dense_before_append(q: jax.Array, cache: KVCache, k_new: jax.Array,
   else:
     out = _softmax_combine(qg, cache.k, cache.v, valid, k_new, v_new)
   return out.reshape(q.shape).astype(q.dtype)
+
+
+def _paged_dense_kernel(q, cache: KVCache, sliding_window, tpu: bool, interpret: bool):
+  """Every slot of paged `cache`, `[B, Hkv, NP * P]`, through the paged sparse-attention
+  kernel (`kernels.paged_sparse_attention`, or its TPU twin, which copies only the pages that
+  hold a valid slot)."""
+  from rocketkv_jax import kernels  # imported on first use (Pallas is a heavy import)
+  b, hkv = cache.table.shape[0], cache.k_raw.shape[1]
+  idx = jnp.broadcast_to(jnp.arange(cache.capacity, dtype=jnp.int32),
+                         (b, hkv, cache.capacity))
+  k_pages, v_pages = (from_storage(x, cache.dtype) for x in (cache.k_raw, cache.v_raw))
+  fn = kernels.tpu_paged_sparse_attention if tpu else kernels.paged_sparse_attention
+  return fn(q, k_pages, v_pages, cache.table, idx, valid_slots(cache, sliding_window),
+            page_size=cache.page_size, interpret=interpret)
 
 
 def attend(q: jax.Array, cache: KVCache, idx: jax.Array | None = None, *,

@@ -9,8 +9,8 @@ Pallas TPU interpret mode ("interpret_tpu": the Mosaic kernels, simulated DMAs),
 paged XLA path's numbers and the contiguous cache's (fp32 tolerances) and select the same slots.
 Then a bf16 pool through the call sites' dispatch, `impl="pallas"` on this host (ValueError),
 whole paged decode steps with `impl="interpret"` / `"interpret_tpu"` against `impl="xla"` (the
-paper's RocketKV and `RocketConfig.recommended`; `decode_step` and a tiny Llama's steps over a
-paged pool), and `jax.export` for CUDA and TPU of a paged step and of each kernel at
+paper's RocketKV, `RocketConfig.recommended` and full KV; `decode_step` and a tiny Llama's steps
+over a paged pool), and `jax.export` for CUDA and TPU of a paged step and of each kernel at
 Llama-3.1-8B shapes.
 """
 
@@ -241,17 +241,30 @@ def _paged_decode_inputs(config, page):
 DECODE_CONFIGS = {
     "rocketkv": rocketkv.RocketConfig(token_budget=32, window_size=4),
     "recommended": rocketkv.RocketConfig.recommended(32, window_size=4),
+    "full": rocketkv.RocketConfig(token_budget=32, window_size=4, method="full"),
 }
+# the kernels each method's paged decode step runs (full KV: every slot through the attention)
+STEP_KERNELS = {"rocketkv": ("sparse_attention", "approx_chunk_logits"),
+                "recommended": ("sparse_attention", "quant_slot_logits"),
+                "full": ("sparse_attention",)}
 
 
 # each (config, impl) pair not in the model steps below
 @pytest.mark.parametrize("impl,name,page", [("interpret", "recommended", 4),
-                                            ("interpret_tpu", "rocketkv", 8)])
+                                            ("interpret_tpu", "rocketkv", 8),
+                                            ("interpret", "full", 4),
+                                            ("interpret_tpu", "full", 8)])
 def test_paged_decode_step_matches_xla(impl, name, page):
-  """Steps of `decode_step` on a paged state (stage-2 kernel, then the attention kernel) give
-  impl="xla"'s outputs, and `select` the same slots."""
+  """Steps of `decode_step` on a paged state (stage-2 kernel, then the attention kernel; full
+  KV: the attention kernel over every slot) give impl="xla"'s outputs, and `select` the same
+  slots."""
   rng, plan, state, (b, hq, hkv, d) = _paged_decode_inputs(DECODE_CONFIGS[name], page)
   assert pool_of(state).paged
+  q = _normal(rng, (b, hq, d))
+  kn = _normal(rng, (b, hkv, 1, d))
+  step = lambda *a: rocketkv.decode_step(*a, plan, impl=impl)
+  assert _kernel_names(step, q, kn, kn, state) == {
+      f"rocketkv_{PREFIX[impl]}{k}" for k in STEP_KERNELS[name]}
   states = {"xla": state, impl: state}
   for _ in range(2):
     q = _normal(rng, (b, hq, d))
@@ -279,7 +292,8 @@ def _kernel_names(fn, *args):
 
 
 @pytest.mark.parametrize("impl,name", [("interpret", "rocketkv"),
-                                       ("interpret_tpu", "recommended")])
+                                       ("interpret_tpu", "recommended"),
+                                       ("interpret", "full")])
 def test_paged_model_step_matches_xla(impl, name):
   """A tiny Llama's decode steps over a paged pool of three requests (as the engine: prefill,
   `paged_pool.write_request` into scrambled pages, `llama.decode_step`): impl=`impl`
@@ -288,8 +302,7 @@ def test_paged_model_step_matches_xla(impl, name):
   from rocketkv_jax.models import llama
   model = rocketkv.models.load(hf_checkpoint("llama31")[0])
   cfg, params = model.config, model.params
-  rc = (rocketkv.RocketConfig(token_budget=32, window_size=4) if name == "rocketkv"
-        else rocketkv.RocketConfig.recommended(32, window_size=4))
+  rc = DECODE_CONFIGS[name]
   plan = rocketkv.plan(rc, 128, 8, cfg.head_dim)
   p = paged_pool.page_tokens(plan, 8)
   npg = -(-plan.capacity // p)
@@ -312,9 +325,8 @@ def test_paged_model_step_matches_xla(impl, name):
   pos = jnp.asarray(lengths, jnp.int32)
   step = {which: jax.jit(functools.partial(llama.decode_step, config=cfg, plan=plan, impl=which))
           for which in ("xla", impl)}
-  scores = "approx_chunk_logits" if name == "rocketkv" else "quant_slot_logits"
   assert _kernel_names(step[impl], params, pool, tok, pos) == {
-      f"rocketkv_{PREFIX[impl]}sparse_attention", f"rocketkv_{PREFIX[impl]}{scores}"}
+      f"rocketkv_{PREFIX[impl]}{k}" for k in STEP_KERNELS[name]}
   states = {which: pool for which in step}
   toks = {which: tok for which in step}
   for i in range(4):
@@ -354,7 +366,7 @@ def _triton_modules(text):
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-@pytest.mark.parametrize("name", ["rocketkv", "recommended"])
+@pytest.mark.parametrize("name", ["rocketkv", "recommended", "full"])
 def test_paged_step_exports(platform, name):
   """A jitted paged decode step under impl="auto", exported from this CPU host, carries the
   platform's paged kernels (for CUDA: Triton IR that verifies)."""
@@ -363,12 +375,11 @@ def test_paged_step_exports(platform, name):
   kn = _normal(rng, (b, hkv, 1, d))
   exp = rocketkv.export_decode_step(plan, q, kn, kn, state, platforms=(platform,))
   text = exp.mlir_module()
-  scores = "approx_chunk_logits" if name == "rocketkv" else "quant_slot_logits"
   prefix = "paged_" if platform == "cuda" else "tpu_paged_"
-  for kernel in ("sparse_attention", scores):
+  for kernel in STEP_KERNELS[name]:
     assert f"rocketkv_{prefix}{kernel}" in text
   if platform == "cuda":
-    assert len(_triton_modules(text)) == 2
+    assert len(_triton_modules(text)) == len(STEP_KERNELS[name])
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])

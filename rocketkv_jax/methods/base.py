@@ -111,8 +111,8 @@ class Method:
     cache = state
     new = checked_append(q, k_new, v_new, cache)
     if dense or self.dense:  # read before the write: see attend_dense_before_append
-      return (attend_dense_before_append(q, cache, k_new, v_new, sliding_window=sliding_window),
-              new)
+      return (attend_dense_before_append(q, cache, k_new, v_new, sliding_window=sliding_window,
+                                         appended=new, impl=impl), new)
     # Selection and attention read the cache after the append: reads after an in-place write
     # need no copy (16-bit caches are stored as bits so that the write is in place: cache.py).
     idx = self.select(q, new, plan, sliding_window=sliding_window, impl=impl)

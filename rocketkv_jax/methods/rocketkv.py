@@ -78,8 +78,8 @@ class RocketKV(Method):
     cache = self.view(state)
     new = checked_append(q, k_new, v_new, cache)
     if dense:  # read before the write: see attend_dense_before_append
-      return (attend_dense_before_append(q, cache, k_new, v_new, sliding_window=sliding_window),
-              new)
+      return (attend_dense_before_append(q, cache, k_new, v_new, sliding_window=sliding_window,
+                                         appended=new, impl=impl), new)
     new_state = s2.after_append(state, new)
     return s2.attend(q, new_state, plan, sliding_window=sliding_window, impl=impl), new_state
 
