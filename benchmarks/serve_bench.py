@@ -204,6 +204,10 @@ def main(argv=None) -> int:
   ap.add_argument("--prompt-tokens", type=int, default=8192)
   ap.add_argument("--output-tokens", type=int, default=1024)
   ap.add_argument("--rates", default="0.02,0.05,0.1", help="requests/s, comma-separated")
+  ap.add_argument("--endpoint", choices=("chat/completions", "completions"),
+                  default="chat/completions",
+                  help="the API guidellm sends to: chat (the model's chat template) or plain "
+                       "completions (a base model without a chat template)")
   ap.add_argument("--requests", type=int, default=16, help="requests per rate")
   ap.add_argument("--max-seconds", type=float, default=None,
                   help="stop each rate's run after this many seconds (guidellm's max_duration); "
@@ -279,7 +283,8 @@ def main(argv=None) -> int:
       for rate in rates:
         before, start = _metrics(base), time.monotonic()
         out = os.path.join(a.out, f"guidellm_{method}_{rate}.json")
-        cmd = [gl_exe, "run", "--backend", f"kind=openai_http,target={base}",
+        cmd = [gl_exe, "run", "--backend",
+               f"kind=openai_http,target={base},request_format=/v1/{a.endpoint}",
                "--profile", f"kind=constant,rate={rate}",
                "--constraint", f"kind=max_requests,count={a.requests}",
                "--data", f"kind=json_file,path={data}",
