@@ -182,7 +182,7 @@ def main(argv=None) -> None:
   st = engine.stats()
   if engine.paged:
     pool = (f"{st.num_slots} slots, {engine.num_pages - 1} pages of {engine.page_size} tokens "
-            f"({engine.page_bytes / 2**20:.2f} MiB each)")
+            f"({engine.page_bytes / 2**20:.2f} MiB each, {engine.config.page_allocation})")
   else:
     pool = f"{st.num_slots} slots of {st.slot_bytes / 2**20:.1f} MiB"
   print(f"rocketkv serve: {name}, {engine.plan.method} B={engine.plan.token_budget}, {pool}, "
