@@ -1,5 +1,5 @@
 """Helpers shared by the scripts in benchmarks/: the one call timer, jax profiler trace events,
-the long-context prompts and the prompt pass's FLOP count.
+the long-context prompts, the prompt pass's FLOP count and `--model`'s resolution.
 
 A script run as `python3 benchmarks/x.py` has benchmarks/ on sys.path and imports this as
 `import bench_common`. jax is imported inside the functions, so that a script can import this
@@ -14,6 +14,7 @@ import gzip
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any, Callable
@@ -109,3 +110,15 @@ def prefill_gflop(config, n: int) -> float:
   proj = d * dh * (2 * config.num_heads + 2 * config.num_kv_heads) + 3 * d * f
   attn = 2 * config.num_heads * dh * n * (n + 1) / 2
   return (2 * config.num_layers * (n * proj + attn) + 2 * d * config.vocab_size) / 1e9
+
+
+def resolve_model(name: str) -> str | None:
+  """`rocketkv.models.resolve(name)`, or None after printing `error: --model: ...` (the script
+  then exits 2)."""
+  import rocketkv_jax as rocketkv
+
+  try:
+    return rocketkv.models.resolve(name)
+  except (ValueError, FileNotFoundError) as e:
+    print(f"error: --model: {e}", file=sys.stderr)
+    return None

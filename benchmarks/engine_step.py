@@ -87,10 +87,8 @@ def main(argv=None) -> int:
                   help="also time an engine with a paged pool of pages of this many tokens")
   ap.add_argument("--out", default="runs/engine_step")
   a = ap.parse_args(argv)
-  try:
-    path = rocketkv.models.resolve(a.model)
-  except (ValueError, FileNotFoundError) as e:
-    print(f"error: --model: {e}", file=sys.stderr)
+  path = bench_common.resolve_model(a.model)
+  if path is None:
     return 2
   configs = _configs(a.budget)
   names = a.methods.split(",")

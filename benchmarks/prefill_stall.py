@@ -85,10 +85,8 @@ def main(argv=None) -> int:
                   help="time Engine.warmup() per group count at the server's defaults instead")
   ap.add_argument("--out", default="runs/prefill_stall")
   a = ap.parse_args(argv)
-  try:
-    path = rocketkv.models.resolve(a.model)
-  except (ValueError, FileNotFoundError) as e:
-    print(f"error: --model: {e}", file=sys.stderr)
+  path = bench_common.resolve_model(a.model)
+  if path is None:
     return 2
   groups = [int(g) for g in a.groups.split(",")]
   model = rocketkv.models.load(path)
