@@ -20,8 +20,10 @@ import pytest
 import rocketkv_jax as rocketkv
 from rocketkv_jax.models import llama
 from rocketkv_jax.models.api import Model
-from rocketkv_jax.runtime.engine import Engine, EngineConfig, SamplingParams
+from rocketkv_jax.runtime.engine import EngineConfig, SamplingParams
 from model_fixtures import gemma3_checkpoint, hf_checkpoint
+import test_engine
+from test_engine import _reference
 
 CONFIGS = {
     "full": rocketkv.RocketConfig(token_budget=64, method="full"),
@@ -60,16 +62,8 @@ def _prompts(lengths, seed=0):
 
 
 def _engine(model, rc, groups, **kw):
-  cfg = dict(max_model_len=320, max_new_tokens=64, max_num_seqs=3, min_bucket=128,
-             prefill_layer_groups=groups)
-  cfg.update(kw)
-  return Engine(model, EngineConfig(rc, **cfg))
-
-
-def _reference(model, eng, rc, prompt, n):
-  out = rocketkv.generate(model, [prompt], rocket_config=rc, pad_to=eng.plan.prompt_len,
-                          max_new_tokens=eng.plan.max_new_tokens, eos_token_ids=())
-  return out.tokens[0][:n]
+  return test_engine._engine(model, rc, **{**dict(max_num_seqs=3, min_bucket=128,
+                                                  prefill_layer_groups=groups), **kw})
 
 
 @pytest.mark.parametrize("model_name,name,page_size,groups", [
