@@ -18,8 +18,8 @@ on a CPU host and exported for CUDA or TPU therefore carries that platform's ker
 A function without a kernel for a platform runs its XLA path there (TPU: stage 1's window
 scores; the fused GPU select + attend runs as its two steps). A paged cache (the serving
 engine's pool) runs the paged kernels (kernels/paged_*.py) at its stage-2 reads and sparse
-attention (its dense attention, full KV's, is the sparse attention kernel over every slot), and
-the fused select + attend as its two steps.
+attention (a decode step's dense read, full KV's, is the sparse attention kernel over every
+slot; `attend(idx=None)` on pages stays XLA), and the fused select + attend as its two steps.
 
 `impl="pallas"` names the compiled kernels, never an interpret mode. Its platform is checked when
 the call is traced (`check`, a ValueError): the platforms being exported for inside
