@@ -139,12 +139,14 @@ def _summary(gl: dict, window: list[dict], before: dict, after: dict) -> dict:
       kv_usage_peak=max(usage), kv_usage_mean=statistics.fmean(usage),
       peak_rss_mb=max([s["peak_rss_mb"] for s in window] or [0.0]),
       prefill_s=delta("rocketkv:prefill_seconds_total"),
-      decode_s=delta("rocketkv:decode_seconds_total"))
+      decode_s=delta("rocketkv:decode_seconds_total"),
+      preempted=delta("rocketkv:num_preemptions_total"),
+      recomputed_tokens=delta("rocketkv:recomputed_tokens_total"))
 
 
 COLS = ["method", "rate", "slots", "completed", "incomplete", "running_peak", "running_mean",
         "output_tok_s", "gen_tok_s", "requests_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-        "itl_p99_ms", "kv_usage_peak", "kv_usage_mean", "peak_rss_mb", "prefill_s", "decode_s"]
+        "itl_p99_ms", "kv_usage_peak", "kv_usage_mean", "peak_rss_mb", "prefill_s", "decode_s", "preempted"]
 
 
 def _write(out: str, command: str, files: list[str], rows: list[dict]) -> str:
@@ -189,7 +191,8 @@ def _serve(a, method: str, port: int, log):
          "--budget", str(a.budget), "--kv-cache-mb", str(a.kv_cache_mb),
          "--max-num-seqs", str(a.max_num_seqs), "--max-model-len",
          str(a.prompt_tokens + a.output_tokens + 64), "--max-new-tokens",
-         str(a.output_tokens), "--port", str(port), "--served-model-name", "model"]
+         str(a.output_tokens), "--port", str(port), "--served-model-name", "model",
+         "--page-allocation", a.page_allocation]
   return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -208,6 +211,9 @@ def main(argv=None) -> int:
                   default="chat/completions",
                   help="the API guidellm sends to: chat (the model's chat template) or plain "
                        "completions (a base model without a chat template)")
+  ap.add_argument("--page-allocation", choices=("reserve", "lazy"), default="reserve",
+                  help="the server's --page-allocation: pages of max_tokens at admission, or as "
+                       "tokens fill them (preempting when the pool runs dry)")
   ap.add_argument("--requests", type=int, default=16, help="requests per rate")
   ap.add_argument("--max-seconds", type=float, default=None,
                   help="stop each rate's run after this many seconds (guidellm's max_duration); "

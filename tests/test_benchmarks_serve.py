@@ -47,12 +47,13 @@ def test_summary_and_table_count_the_cut_off_requests(tmp_path):
              "peak_rss_mb": 100.0 + i} for i, (r, u) in enumerate([(1, 0.1), (4, 0.5), (3, 0.4)])]
   before = {"rocketkv:generation_tokens_total": 10.0, "rocketkv:prefill_seconds_total": 1.0}
   after = {"rocketkv:generation_tokens_total": 110.0, "rocketkv:prefill_seconds_total": 1.5,
-           "rocketkv:decode_seconds_total": 1.25}
+           "rocketkv:decode_seconds_total": 1.25, "rocketkv:num_preemptions_total": 2.0}
   row = serve_bench._summary(gl, window, before, after)
   assert (row["completed"], row["incomplete"], row["running_peak"]) == (3, 2, 4)
   assert row["running_mean"] == pytest.approx(8 / 3) and row["wall_s"] == 2.0
   assert row["gen_tok_s"] == 50.0 and row["ttft_p99_ms"] == 1800.0
   assert (row["prefill_s"], row["decode_s"], row["peak_rss_mb"]) == (0.5, 1.25, 102.0)
+  assert (row["preempted"], row["recomputed_tokens"]) == (2.0, 0.0)
   table = serve_bench._write(str(tmp_path), "python3 benchmarks/serve_bench.py --x", [],
                              [dict(method="full", rate=0.05, slots=5.0, **row)])
   md = (tmp_path / "serve_bench.md").read_text()
