@@ -12,6 +12,7 @@ joined along the layer axis).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -61,6 +62,13 @@ def _prompts(lengths, seed=0):
   return [rng.integers(3, 256, size=n).tolist() for n in lengths]
 
 
+def _groups(eng, n: int) -> int:
+  """Layer groups of an n-token prompt's prefill: G x its bucket's share of the longest
+  bucket, rounded up, at least 1."""
+  bucket, g = min(b for b in eng.buckets if b >= n), eng.config.prefill_layer_groups
+  return max(1, min(g, math.ceil(g * bucket / eng.buckets[-1])))
+
+
 def _engine(model, rc, groups, **kw):
   return test_engine._engine(model, rc, **{**dict(max_num_seqs=3, min_bucket=128,
                                                   prefill_layer_groups=groups), **kw})
@@ -84,9 +92,11 @@ def test_layer_groups_equal_generate(model_name, name, page_size, groups):
   outs = eng.generate(prompts, GREEDY)
   for p, o in zip(prompts, outs):
     assert o.token_ids == _reference(model, eng, rc, p, GREEDY.max_tokens), (name, len(p))
-  assert eng._counters["prefill_groups"] == groups * len(prompts)
+  # a prompt of a one-group bucket is admitted in one call (not counted as groups)
+  assert eng._counters["prefill_groups"] == sum(
+      _groups(eng, len(p)) for p in prompts if _groups(eng, len(p)) > 1)
   extra = len(eng.batches) + 3 if eng.paged else 2  # decode(s), init (+ release, move)
-  assert eng.num_programs <= len(eng.buckets) * groups + extra
+  assert eng.num_programs <= sum(_groups(eng, b) for b in eng.buckets) + extra
   assert eng.stats().num_prefilling == 0 and eng.stats().kv_cache_usage == 0.0
 
 
@@ -99,7 +109,8 @@ def test_long_prompt_interleaves_with_decoding_and_cancel_frees_its_pages():
   eng = _engine(model, rc, 3, page_size=16)
   eng.warmup()  # compiles the group programs from their inputs' shapes: none compiles later
   programs = eng.num_programs
-  assert programs == len(eng.buckets) * 3 + len(eng.batches) + 3
+  assert eng.buckets == (128, 256)  # 2 groups for the short bucket, 3 for the long one
+  assert programs == 2 + 3 + len(eng.batches) + 3
   events = []
   decode, group = eng._decode, eng._prefill_group
 
@@ -148,6 +159,19 @@ def test_long_prompt_interleaves_with_decoding_and_cancel_frees_its_pages():
   st = eng.stats()
   assert (st.num_prefilling, st.num_running, st.kv_cache_usage) == (0, 0, 0.0)
   assert sorted(eng._free_pages) == list(range(1, eng.num_pages))
+
+
+@pytest.mark.parametrize("groups,bounds", [
+    (5, {128: (0, 1, 3, 5), 256: (0, 1, 2, 3, 4, 5)}),
+    (2, {128: (0, 5), 256: (0, 2, 5)}),
+])
+def test_shorter_buckets_take_fewer_groups(groups, bounds):
+  """G groups for the longest bucket, ceil(G x 128 / 256) for the half-length one (one group:
+  admitted in one call), sizes differing by at most one; warmup compiles those only."""
+  eng = _engine(_model("deep"), CONFIGS["rocketkv"], groups)
+  assert eng.bucket_bounds == bounds and eng.layer_bounds == bounds[256]
+  eng.warmup()
+  assert eng.num_programs == sum(len(b) - 1 for b in bounds.values()) + 2  # + init, decode
 
 
 def test_layer_groups_bad_values():

@@ -92,7 +92,7 @@ def _assert_empty(eng):
 
 @pytest.mark.parametrize("name,kw", [
     ("full", {}),
-    ("rocketkv", {"prefill_layer_groups": 2}),
+    ("rocketkv", {"prefill_layer_groups": 2, "min_bucket": 256}),  # one bucket: 2 groups each
     ("recommended", {"steps_per_call": 3}),
 ])
 def test_lazy_runs_more_at_once_and_preempted_requests_stay_exact(name, kw):
@@ -132,7 +132,7 @@ def test_a_prefilling_request_is_preempted_first():
   decode, and admission keeps no watermark, so that the pool runs dry during a prefill."""
   model, rc = _model(), CONFIGS["rocketkv"]
   prompts = _prompts((20, 30, 12, 25, 8, 31, 15, 27), seed=4)
-  eng = _tight(model, rc, "lazy", prefill_layer_groups=2)
+  eng = _tight(model, rc, "lazy", prefill_layer_groups=2, min_bucket=256)  # 2 groups each
   eng._watermark = lambda: 0
   kinds = []
   preempt = eng._preempt

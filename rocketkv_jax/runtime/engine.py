@@ -21,6 +21,9 @@ to the next (stage 1 is per layer, so each layer's compressed state is final onc
 request is "prefilling" in between (it holds its pages and a slot's place, not a slot), and the
 running requests decode once between two of its calls, so a long prompt stalls them for about
 1/G of its prefill at a time; after its last group it joins the batch as a one-call admission.
+G is the longest bucket's; a shorter bucket takes G x its share of the longest, rounded up
+(`_groups_of`), so no prompt stalls them longer than the longest one's groups and a short
+bucket compiles one program, not G.
 
 One budget split for every request: the `Plan` is made once for prompts of `max_model_len -
 max_new_tokens` tokens and `max_new_tokens` new ones, as `rocketkv.generate(..., pad_to=...)`
@@ -104,6 +107,7 @@ class EngineConfig:
       layers (sizes differing by at most one), with one decode call of the running requests
       between two of them: a long prompt stalls them ~1/G of its prefill at a time instead of
       all of it, for the same total work. 1: one call (no split). At most the model's layers.
+      G is the longest bucket's; a bucket of b tokens takes ceil(G * b / longest) groups.
     page_size: None: each slot reserves its plan's whole capacity (the slots are the unit of
       memory). An int P: a paged pool (`paged_pool.py`): K, V and the method's summaries
       live in pages of about P tokens (rounded up to whole chunks / code bytes) shared by the
@@ -232,8 +236,6 @@ class Engine:
     if groups > mc.num_layers:
       raise ValueError(f"prefill_layer_groups must be in [1, {mc.num_layers}] (at most the "
                        f"model's {mc.num_layers} layers), got {groups}")
-    # layer groups [bounds[g], bounds[g + 1]) of the prefill: sizes differ by at most one
-    self.layer_bounds = tuple(g * mc.num_layers // groups for g in range(groups + 1))
     self.tokenizer = model.tokenizer
     self.eos_ids = decode_loop.default_eos_ids(model)
     self._eos = jnp.asarray(np.array(list(self.eos_ids) or [-1], np.int32))
@@ -243,6 +245,11 @@ class Engine:
       sharding_lib.check_mesh(mc, self._mesh)
 
     self.buckets = self._buckets()
+    # each bucket's layer groups [bounds[g], bounds[g + 1]) (sizes differing by at most one):
+    # G for the longest bucket, fewer for shorter ones (`_groups_of`)
+    self.bucket_bounds = {b: tuple(g * mc.num_layers // n for g in range(n + 1))
+                          for b in self.buckets for n in [self._groups_of(b)]}
+    self.layer_bounds = self.bucket_bounds[self.buckets[-1]]
     one = (jnp.zeros((1, self.buckets[0]), jnp.int32), jnp.ones((1,), jnp.int32))
     row = jax.eval_shape(functools.partial(programs._prefill, block_size=config.block_size,
                                            **self._static), self.params, *one)[1]
@@ -334,6 +341,14 @@ class Engine:
       out.append(b)
       b *= 2
     return tuple(out) + (self.config.max_prompt_len,)
+
+  def _groups_of(self, bucket: int) -> int:
+    """Layer groups of a bucket's prefill: G x its share of the longest bucket, rounded up
+    (at least 1). A prefill's cost grows with its tokens, so a shorter prompt's groups stall
+    the running requests no longer than the longest one's, and the short buckets compile 1
+    program instead of G."""
+    g = self.config.prefill_layer_groups
+    return max(1, min(g, -(-g * bucket // self.buckets[-1])))
 
   def _program(self, name, fn, donate, *args, **static):
     """The compiled `fn` for these argument shapes (compiled once, kept)."""
@@ -453,11 +468,11 @@ class Engine:
                          sliding_groups=self.sliding_groups)
 
   def warmup(self) -> float:
-    """Compiles every program (one admit per bucket, or G per bucket in layer groups; the
-    decode step) now, so that no request waits for a compile. Returns the seconds spent."""
+    """Compiles every program (one per layer group of each bucket; the decode step) now, so
+    that no request waits for a compile. Returns the seconds spent."""
     t0 = self._counters["compile_s"]
-    bounds = self.layer_bounds
     for b in self.buckets:
+      bounds = self.bucket_bounds[b]
       carried = np.zeros((1, b), np.int32)
       if len(bounds) > 2:  # layer groups: G - 1 group programs, then the last one
         lengths, parts = np.ones((1,), np.int32), ()
@@ -617,24 +632,24 @@ class Engine:
           self._waiting.popleft()
           self._end(req, "abort")
           continue
-        taken = []
+        taken, n = [], len(req.prompt_ids)
+        bucket = next(b for b in self.buckets if b >= n)
+        one_call = len(self.bucket_bounds[bucket]) == 2
         if self.paged:  # first come, first served: the head waits until its pages are free
-          need = self._admission_pages(len(req.prompt_ids), req.params.max_tokens)
+          need = self._admission_pages(n, req.params.max_tokens)
           if need + self._watermark() > len(self._free_pages):
             break
           taken = self._free_pages[:need]
           del self._free_pages[:need]
-          if len(self.layer_bounds) == 2:
+          if one_call:
             self._slot_pages[free[0]] = taken
             self._release_mask[free[0]] = False  # the admission rewrites the slot's table
         self._waiting.popleft()
         req.admission = next(self._admissions)
-      prefilled += len(req.prompt_ids)
-      if len(self.layer_bounds) == 2:
+      prefilled += n
+      if one_call:
         self._admit(req, free[0], self._page_ids(taken))
         continue
-      n = len(req.prompt_ids)
-      bucket = next(b for b in self.buckets if b >= n)
       tokens = np.zeros((1, bucket), np.int32)
       tokens[0, :n] = req.prompt_ids
       p = _Prefilling(req, bucket, tokens, self._seed_of(req), taken)
@@ -661,7 +676,7 @@ class Engine:
   def _prefill_group(self, p: _Prefilling) -> None:
     """Runs the next layer group of `p`'s prefill; the last one writes its state into a free
     slot (and its pages) and samples its first token (`_finish_admit`)."""
-    bounds, g = self.layer_bounds, p.group
+    bounds, g = self.bucket_bounds[p.bucket], p.group
     lo, hi = bounds[g], bounds[g + 1]
     n = len(p.req.prompt_ids)
     lengths = np.array([n], np.int32)
