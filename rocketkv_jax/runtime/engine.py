@@ -11,9 +11,9 @@ Each of the `S` slots holds one request's compressed KV state. A request waits i
 queue until a slot is free, is prefilled alone (its prompt padded to a power-of-two length
 bucket) straight into its slot, then decodes with the others, `steps_per_call` tokens per
 compiled call, and leaves at EOS, `max_tokens`, a stop string or cancellation; its slot is
-free for the next one at once. Nothing recompiles: one admit program per bucket (its layer
-groups in layer groups, below), one decode program (`engine_programs.py`), all compiled by `warmup()` or on
-first use.
+free for the next one at once. Nothing recompiles: one admit program per bucket (one per
+layer group of it in layer groups, below), one decode program (`engine_programs.py`), all
+compiled by `warmup()` or on first use.
 
 Prefill in layer groups (`prefill_layer_groups = G > 1`): a request's prefill runs as G calls,
 each over a group of consecutive layers, carrying only the hidden states `[1, L, D]` from one
