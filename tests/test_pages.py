@@ -109,3 +109,49 @@ def test_quant_codes_in_pages_match_contiguous():
                                quant.slot_logits(q, flat, 4), rtol=1e-6)
     np.testing.assert_allclose(quant.decode_attend(q, paged, plan),
                                quant.decode_attend(q, flat, plan), rtol=1e-6, atol=1e-6)
+
+
+def _dense_f64(q, k, v, lengths):
+  """NumPy float64 dense decode attention: q [B, Hq, D] over k, v [B, Hkv, C, D]'s first
+  `lengths` slots."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  b, hq, d = q.shape
+  hkv = k.shape[1]
+  out = np.zeros((b, hq, d))
+  for i in range(b):
+    for h in range(hq):
+      kh, vh = k[i, h // (hq // hkv), :lengths[i]], v[i, h // (hq // hkv), :lengths[i]]
+      s = kh @ q[i, h] / np.sqrt(d)
+      w = np.exp(s - s.max())
+      out[i, h] = w @ vh / w.sum()
+  return out
+
+
+@pytest.mark.parametrize("case", ["pool_read_in_place", "large_pool", "shared_page",
+                                  "stale_entries"])
+def test_dense_attention_through_pages_is_numpy(case):
+  """Dense attention of a paged cache is the NumPy attention of its logical slots, both when
+  the pool is read in place against each page's owner (a small pool) and page by page (a pool
+  much larger than the batch's pages, or a page two sequences read); table entries past a
+  sequence's length may point at any page, another sequence's included."""
+  rng = np.random.default_rng(7)
+  npg, lengths = 4, np.array([20, 9, 13])  # P = 6: 4, 2 and 3 pages in use
+  num_pages = {"large_pool": 64}.get(case, 13)
+  b = len(lengths)
+  ids = rng.permutation(np.arange(1, num_pages))[:b * npg].reshape(b, npg)
+  if case == "shared_page":
+    ids[1, 0] = ids[0, 1]  # two sequences read one page
+  if case == "stale_entries":
+    ids[1, 2:] = ids[0, :2]  # past row 1's length: row 0's pages
+  k_pages = rng.normal(size=(num_pages, H, P, D)).astype(np.float32)
+  v_pages = rng.normal(size=(num_pages, H, P, D)).astype(np.float32)
+  cache = full_cache(jnp.zeros((b, H, npg * P, D)), jnp.zeros((b, H, npg * P, D)), npg * P, 0,
+                     jnp.asarray(lengths, jnp.int32))
+  cache = cache.replace(k_raw=jnp.asarray(k_pages), v_raw=jnp.asarray(v_pages),
+                        pos_raw=jnp.zeros((num_pages, H, P), jnp.int32),
+                        table=jnp.asarray(ids, jnp.int32), page_size=P)
+  logical_k = np.stack([np.concatenate([k_pages[t] for t in row], axis=1) for row in ids])
+  logical_v = np.stack([np.concatenate([v_pages[t] for t in row], axis=1) for row in ids])
+  q = rng.normal(size=(b, 2 * H, D)).astype(np.float32)
+  want = _dense_f64(q, logical_k, logical_v, lengths)
+  np.testing.assert_allclose(jax.jit(attend)(jnp.asarray(q), cache), want, rtol=2e-5, atol=2e-6)
