@@ -36,12 +36,6 @@ def _dot(k, q):
   return jnp.swapaxes(out, -1, -2)
 
 
-# Reading a page in place costs about half of gathering it (XLA:CPU copies a gathered page
-# before the product reads it): so the pool is read whole when it holds at most this many times
-# the pages the gathers would copy (docs/serving.md, "The engine's decode step").
-_POOL_READ_RATIO = 2
-
-
 def _paged_softmax_combine(qg, cache: KVCache, valid, k_extra=None, v_extra=None):
   """`_softmax_combine` over every slot of a paged cache: qg [B, Hkv, G, D], valid
   [B, Hkv, NP * P] -> [B, Hkv, G, D] float32.
@@ -54,30 +48,27 @@ def _paged_softmax_combine(qg, cache: KVCache, valid, k_extra=None, v_extra=None
   b, npg, n = qg.shape[0], cache.table.shape[-1], cache.k_raw.shape[0]
   p_size = cache.page_size
   live = valid.reshape(b, valid.shape[1], npg, p_size).any(axis=(1, 3))  # [B, NP]
-  target = jnp.where(live, cache.table, n)  # the pages with a valid slot; n: dropped
-  refs = jnp.zeros((n,), jnp.int32).at[target].add(1, mode="drop")  # [N]
+  owner, single = pages.owners(cache.table, live, n)
   # Only the pages some sequence of the batch fills: short requests read less than C.
   used = jnp.minimum((jnp.max(cache.length) + p_size - 1) // p_size, npg)
-  in_place = (jnp.max(refs) <= 1) & (n <= _POOL_READ_RATIO * used * b)
-  args = (qg, cache, valid, live, target, used, k_extra, v_extra)
+  in_place = single & (n <= pages.POOL_READ_RATIO * used * b)
+  args = (qg, cache, valid, live, owner, used, k_extra, v_extra)
   return lax.cond(in_place, _pool_order_combine, _page_loop_combine, *args)
 
 
-def _pool_order_combine(qg, cache: KVCache, valid, live, target, used, k_extra, v_extra):
-  """Every page of the pool against its owner's query: logits `[N, Hkv, P, G]` read in place,
+def _pool_order_combine(qg, cache: KVCache, valid, live, owner, used, k_extra, v_extra):
+  """Every page of the pool against its owner's query: logits `[N, Hkv, G, P]` read in place,
   then moved to the sequences' order through the table (G values a slot, not D)."""
   del used
   b, hkv, g, _ = qg.shape
   p_size, npg, n = cache.page_size, cache.table.shape[-1], cache.k_raw.shape[0]
-  rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], target.shape)
-  owner = jnp.zeros((n,), jnp.int32).at[target].set(rows, mode="drop")  # [N]
   scale = _scale(qg)
   q_pool = qg.astype(cache.dtype)[owner]  # [N, Hkv, G, D]
   k_pool, v_pool = (from_storage(x, cache.dtype) for x in (cache.k_raw, cache.v_raw))
   lg = jnp.einsum("nhpd,nhgd->nhpg", k_pool, q_pool, preferred_element_type=jnp.float32)
-  lg = jnp.transpose(lg[cache.table], (0, 2, 4, 1, 3))  # [B, Hkv, G, NP, P]
-  logits = lg.reshape(b, hkv, g, npg * p_size) * scale
+  logits = pages.in_table_order(jnp.swapaxes(lg, -1, -2), cache.table) * scale
   extra = None if k_extra is None else _dot(k_extra, qg.astype(k_extra.dtype)) * scale
+  target = jnp.where(live, cache.table, n)  # the live entries; n: dropped
 
   def pv(p):
     p = jnp.transpose(p.reshape(b, hkv, g, npg, p_size), (0, 3, 1, 2, 4))  # [B, NP, Hkv, G, P]
@@ -90,11 +81,11 @@ def _pool_order_combine(qg, cache: KVCache, valid, live, target, used, k_extra, 
   return softmax_combine(logits, valid, None, extra, v_extra, pv=pv)
 
 
-def _page_loop_combine(qg, cache: KVCache, valid, live, target, used, k_extra, v_extra):
+def _page_loop_combine(qg, cache: KVCache, valid, live, owner, used, k_extra, v_extra):
   """One page of each sequence at a time (a loop over the page-table columns that hold a valid
   slot of some sequence): no gather of the whole cache. The logits of every slot are the
   contiguous path's, then its softmax; the values are summed page by page."""
-  del live, target
+  del live, owner
   b, hkv, g, _ = qg.shape
   p_size, npg = cache.page_size, cache.table.shape[-1]
   page = lambda raw, j: from_storage(raw[cache.table[:, j]], cache.dtype)  # [B, Hkv, P, D]

@@ -54,6 +54,33 @@ def gather_cols(buf: jax.Array, table: jax.Array, rows: jax.Array) -> jax.Array:
   return g.reshape(b, h, r, -1)
 
 
+# A read in pool order takes each page's rows in place; the same rows gathered through the table
+# are copied element by element first, about twice the time per byte on XLA:CPU. So a paged
+# read goes in pool order while the pool holds at most this many times the pages it would gather
+# (docs/serving.md, "Design").
+POOL_READ_RATIO = 2
+
+
+def owners(table: jax.Array, live: jax.Array, num_pages: int):
+  """Which sequence reads each page: `table [B, NP]`, `live [B, NP]` (the entries that hold a
+  valid slot) -> (owner [N] int32, the row of each page's live entry, 0 where none; single, a
+  bool scalar: no page is a live entry of two rows or twice of one). A read in pool order (every
+  page against its owner's query, no page copied) is exact when `single` holds."""
+  b = table.shape[0]
+  target = jnp.where(live, table, num_pages)  # num_pages: dropped
+  refs = jnp.zeros((num_pages,), jnp.int32).at[target].add(1, mode="drop")
+  rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], table.shape)
+  owner = jnp.zeros((num_pages,), jnp.int32).at[target].set(rows, mode="drop")
+  return owner, jnp.max(refs) <= 1
+
+
+def in_table_order(x: jax.Array, table: jax.Array) -> jax.Array:
+  """Per-page values in pool order `x [N, H, G, P]` -> each sequence's in slot order
+  `[B, H, G, NP * P]` (a gather of G values per slot)."""
+  g = jnp.transpose(x[table], (0, 2, 3, 1, 4))  # [B, H, G, NP, P]
+  return g.reshape(*g.shape[:3], -1)
+
+
 def to_pages(x: jax.Array, page_size: int, num_pages: int, fill=0) -> jax.Array:
   """One sequence's slots `x [H, C, X]` -> its pages `[num_pages, H, P, X]` (slots past C
   padded with `fill`)."""

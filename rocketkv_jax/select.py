@@ -42,31 +42,50 @@ def approx_bounds_scores_xla(q: jax.Array, bounds: jax.Array, length: jax.Array,
   Returns:
     [B, Hkv, NC] float32 group-summed softmax scores; 0 for chunks with no valid slot.
   """
-  read = lambda rows: jnp.take_along_axis(bounds, rows[..., None], axis=2)
-  return _approx_scores(q, read, bounds.shape[1], bounds.shape[3], two_sided(bounds, q.shape[2]),
-                        length, chunk_size, r, group_dims)
+  def logits_of(q_r, rows):
+    # The rows in fp32 (the convert fuses into the gather): XLA:CPU has no bf16 x bf16 -> f32
+    # kernel for every dot shape.
+    k_r = jnp.take_along_axis(bounds, rows[..., None], axis=2).astype(jnp.float32)
+    return jnp.einsum("bhgr,bhrc->bhgc", q_r, k_r)  # k_r [B, Hkv, r, NC]
+
+  return _approx_scores(q, logits_of, bounds.shape[1], bounds.shape[3],
+                        two_sided(bounds, q.shape[2]), length, chunk_size, r, group_dims)
 
 
 def paged_approx_scores_xla(q: jax.Array, cache: KVCache, r: int,
                             group_dims: str = "sum") -> jax.Array:
   """`approx_bounds_scores_xla` on a paged cache: the r rows read from every page of each
   sequence (`pages.gather_cols`), the same bytes as the contiguous read."""
-  raw = cache.bounds_raw
-  read = lambda rows: from_storage(pages.gather_cols(raw, cache.table, rows), cache.dtype)
-  return _approx_scores(q, read, raw.shape[1], cache.num_chunks, two_sided(raw, q.shape[2]),
-                        cache.length, cache.chunk_size, r, group_dims)
+  raw, table = cache.bounds_raw, cache.table
+  (b, npg), n = table.shape, raw.shape[0]
+  f32 = lambda x: from_storage(x, cache.dtype).astype(jnp.float32)
+
+  def logits_of(q_r, rows):
+    def gathered():  # [B, Hkv, r, NP * W]: each page's columns in turn
+      return jnp.einsum("bhgr,bhrc->bhgc", q_r, f32(pages.gather_cols(raw, table, rows)))
+
+    def in_place():  # every page against its owner's rows and query (`pages.owners`)
+      k_r = f32(jnp.take_along_axis(raw, rows[owner][..., None], axis=2))  # [N, Hkv, r, W]
+      return pages.in_table_order(jnp.einsum("nhgr,nhrc->nhgc", q_r[owner], k_r), table)
+
+    if n > pages.POOL_READ_RATIO * b * npg:
+      return gathered()
+    live = jnp.arange(npg)[None, :] * cache.page_size < cache.length[:, None]  # [B, NP]
+    owner, single = pages.owners(table, live, n)
+    return lax.cond(single, in_place, gathered)
+
+  return _approx_scores(q, logits_of, raw.shape[1], cache.num_chunks,
+                        two_sided(raw, q.shape[2]), cache.length, cache.chunk_size, r,
+                        group_dims)
 
 
-def _approx_scores(q, read, hkv, nc, two, length, chunk_size, r, group_dims):
-  """Steps 1-3 of the module doc; `read(rows [B, Hkv, r]) -> [B, Hkv, r, NC]` summary rows."""
+def _approx_scores(q, logits_of, hkv, nc, two, length, chunk_size, r, group_dims):
+  """Steps 1-3 of the module doc; `logits_of(q_r [B, Hkv, G, r], rows [B, Hkv, r]) -> [B, Hkv,
+  G, NC]`, the r summary rows times q_r."""
   qg = group_queries(q, hkv).astype(jnp.float32)
   # [B, Hkv, r] rows of bounds, [B, Hkv, G, r]
   _, rows, q_r = bound_rows_and_query(qg, r, two, group_dims)
-  # The gathered rows in fp32 (the convert fuses into the gather): XLA:CPU has no bf16 x bf16
-  # -> f32 kernel for every dot shape.
-  k_r = read(rows).astype(jnp.float32)  # [B, Hkv, r, NC]
-  logits = jnp.einsum("bhgr,bhrc->bhgc", q_r, k_r)
-  return group_softmax_sum(logits, chunk_valid(length, nc, chunk_size))
+  return group_softmax_sum(logits_of(q_r, rows), chunk_valid(length, nc, chunk_size))
 
 
 def approx_chunk_scores_xla(q: jax.Array, kmin: jax.Array, kmax: jax.Array, length: jax.Array,

@@ -16,8 +16,9 @@ from rocketkv_jax.attend import attend, attend_dense_before_append
 from rocketkv_jax.budget import Plan
 from rocketkv_jax.cache import append, full_cache
 from rocketkv_jax.methods.stage2 import quant
+from rocketkv_jax.ops import coded_query, group_queries
 from rocketkv_jax.runtime import paged_pool
-from rocketkv_jax.select import approx_scores
+from rocketkv_jax.select import approx_scores, paged_approx_scores_xla
 
 B, H, D, C, P = 2, 2, 8, 40, 6
 
@@ -58,6 +59,19 @@ def _kv(seed=0, lengths=(23, 27)):
   k = jnp.asarray(rng.normal(size=(B, H, 32, D)), jnp.float32)
   v = jnp.asarray(rng.normal(size=(B, H, 32, D)), jnp.float32)
   return k, v, jnp.asarray(lengths, jnp.int32)
+
+
+def _paged_case(case, rng, npg, lengths, p):
+  """A page table for `case`: pages of a 13-page pool (64 for "large_pool") in scrambled order;
+  "shared_page": two sequences read one page; "stale_entries": entries past a sequence's length
+  point at another's pages."""
+  num_pages = {"large_pool": 64}.get(case, 13)
+  ids = rng.permutation(np.arange(1, num_pages))[:len(lengths) * npg].reshape(len(lengths), npg)
+  if case == "shared_page":
+    ids[1, 0] = ids[0, 1]
+  if case == "stale_entries":
+    ids[1, 2:] = ids[0, :2]
+  return num_pages, ids
 
 
 @pytest.mark.parametrize("chunk_size", [0, 1, 3])
@@ -106,7 +120,7 @@ def test_quant_codes_in_pages_match_contiguous():
     paged = quant.append_codes(paged, append(paged.cache, kn, vn))
     q = jnp.asarray(rng.normal(size=(B, 2 * H, D)), jnp.float32)
     np.testing.assert_allclose(np.asarray(quant.slot_logits(q, paged, 4))[..., :C],
-                               quant.slot_logits(q, flat, 4), rtol=1e-6)
+                               quant.slot_logits(q, flat, 4), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(quant.decode_attend(q, paged, plan),
                                quant.decode_attend(q, flat, plan), rtol=1e-6, atol=1e-6)
 
@@ -136,13 +150,8 @@ def test_dense_attention_through_pages_is_numpy(case):
   sequence's length may point at any page, another sequence's included."""
   rng = np.random.default_rng(7)
   npg, lengths = 4, np.array([20, 9, 13])  # P = 6: 4, 2 and 3 pages in use
-  num_pages = {"large_pool": 64}.get(case, 13)
+  num_pages, ids = _paged_case(case, rng, npg, lengths, P)
   b = len(lengths)
-  ids = rng.permutation(np.arange(1, num_pages))[:b * npg].reshape(b, npg)
-  if case == "shared_page":
-    ids[1, 0] = ids[0, 1]  # two sequences read one page
-  if case == "stale_entries":
-    ids[1, 2:] = ids[0, :2]  # past row 1's length: row 0's pages
   k_pages = rng.normal(size=(num_pages, H, P, D)).astype(np.float32)
   v_pages = rng.normal(size=(num_pages, H, P, D)).astype(np.float32)
   cache = full_cache(jnp.zeros((b, H, npg * P, D)), jnp.zeros((b, H, npg * P, D)), npg * P, 0,
@@ -155,3 +164,68 @@ def test_dense_attention_through_pages_is_numpy(case):
   q = rng.normal(size=(b, 2 * H, D)).astype(np.float32)
   want = _dense_f64(q, logical_k, logical_v, lengths)
   np.testing.assert_allclose(jax.jit(attend)(jnp.asarray(q), cache), want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("case", ["pool_read_in_place", "large_pool", "shared_page",
+                                  "stale_entries"])
+def test_quant_code_pages_read_is_numpy(case):
+  """The 4-bit codes of a paged state scored on the query's r dims are the NumPy float64
+  sums over those dims of each valid slot's code (slot i of a page: byte i % W of plane i // W),
+  whether the pool is read in place or through the table."""
+  rng = np.random.default_rng(11)
+  npg, lengths, bits, r = 4, np.array([20, 9, 13]), 4, 3
+  w = P // 2
+  num_pages, ids = _paged_case(case, rng, npg, lengths, P)
+  b = len(lengths)
+  codes = rng.integers(0, 256, size=(num_pages, H, D, w), dtype=np.uint8)
+  cache = full_cache(jnp.zeros((b, H, npg * P, D)), jnp.zeros((b, H, npg * P, D)), npg * P, 0,
+                     jnp.asarray(lengths, jnp.int32))
+  cache = cache.replace(k_raw=jnp.zeros((num_pages, H, P, D)), v_raw=jnp.zeros((num_pages, H, P, D)),
+                        pos_raw=jnp.zeros((num_pages, H, P), jnp.int32),
+                        table=jnp.asarray(ids, jnp.int32), page_size=P)
+  step = jnp.asarray(rng.uniform(0.5, 2.0, size=(b, H, D)), jnp.float32)
+  state = quant.QuantState(cache=cache, codes=jnp.asarray(codes), lo=jnp.zeros((b, H, D)),
+                           step=step, bits=bits)
+  q = jnp.asarray(rng.normal(size=(b, 2 * H, D)), jnp.float32)
+  got = np.asarray(jax.jit(quant.slot_logits_xla, static_argnums=2)(q, state, r))
+  ridx, qs = (np.asarray(x, np.float64) for x in
+              coded_query(group_queries(q, H).astype(jnp.float32), step, r))
+  for i in range(b):
+    for s in range(lengths[i]):
+      page, at = ids[i, s // P], s % P
+      code = (codes[page, :, :, at % w] >> (bits * (at // w))) & 15  # [H, D]
+      for h in range(H):
+        want = qs[i, h] @ code[h, ridx[i, h].astype(int)].astype(np.float64)  # [G]
+        np.testing.assert_allclose(got[i, h, :, s], want, rtol=1e-5, atol=1e-5)
+
+
+def test_pool_order_and_table_reads_are_bitwise_equal(monkeypatch):
+  """The in-place pool read and the read through the table give the same bits, so a request's
+  tokens do not depend on which one the batch around it picks (the engine's alone-or-among-
+  others guarantee and its preemption replay)."""
+  rng = np.random.default_rng(5)
+  npg, lengths, p = 5, np.array([60, 33, 49]), 16
+  num_pages, ids = 17, rng.permutation(np.arange(1, 17))[:15].reshape(3, npg)
+  b = len(lengths)
+  cache = full_cache(jnp.zeros((b, H, npg * p, D)), jnp.zeros((b, H, npg * p, D)), npg * p, 0,
+                     jnp.asarray(lengths, jnp.int32))
+  cache = cache.replace(k_raw=jnp.asarray(rng.normal(size=(num_pages, H, p, D)), jnp.float32),
+                        v_raw=jnp.asarray(rng.normal(size=(num_pages, H, p, D)), jnp.float32),
+                        pos_raw=jnp.zeros((num_pages, H, p), jnp.int32),
+                        table=jnp.asarray(ids, jnp.int32), page_size=p)
+  codes = jnp.asarray(rng.integers(0, 256, size=(num_pages, H, D, p // 2), dtype=np.uint8))
+  state = quant.QuantState(cache=cache, codes=codes, lo=jnp.zeros((b, H, D)),
+                           step=jnp.ones((b, H, D)), bits=4)
+  summaries = cache.replace(  # chunks of 2 slots: kmin, kmax rows
+      bounds_raw=jnp.asarray(rng.normal(size=(num_pages, H, 2 * D, p // 2)), jnp.float32),
+      chunk_size=2)
+  q = jnp.asarray(rng.normal(size=(b, 2 * H, D)), jnp.float32)
+  outs = []
+  for ratio in (100, 0):  # in place, then through the table
+    monkeypatch.setattr(pages, "POOL_READ_RATIO", ratio)
+    outs.append([np.asarray(x) for x in (
+        jax.jit(attend)(q, cache),
+        jax.jit(quant.slot_logits_xla, static_argnums=2)(q, state, 5),
+        jax.jit(paged_approx_scores_xla, static_argnums=2)(q, summaries, 5))])
+  for in_place, through_table in zip(*outs):
+    np.testing.assert_array_equal(in_place, through_table)

@@ -256,17 +256,37 @@ def slot_logits_xla(q: jax.Array, state: QuantState, r: int,
   cache = state.cache
   hkv, c = cache.k_raw.shape[1], cache.capacity
   ridx, qs = coded_query(group_queries(q, hkv).astype(jnp.float32), state.step, r, group_dims)
-  if cache.paged:  # [B, Hkv, r, NP * Nbp]: each page's bytes in turn
-    rows = pages.gather_cols(state.codes, cache.table, ridx)
-  else:
-    rows = jnp.take_along_axis(state.codes, ridx[..., None], axis=2)  # [B, Hkv, r, Nb] uint8
   fused = 2 <= state.per_byte and r * state.per_byte <= FUSED_TERMS_MAX
-  logits = (_fused_logits if fused else _plane_products)(qs, rows, state.bits)
-  if cache.paged:  # per page: its planes in turn (slot i of a page: plane i // Nbp)
-    npg = cache.table.shape[-1]
+  logits_of = _fused_logits if fused else _plane_products
+  if cache.paged:
+    return _paged_slot_logits(qs, ridx, state, logits_of)
+  rows = jnp.take_along_axis(state.codes, ridx[..., None], axis=2)  # [B, Hkv, r, Nb] uint8
+  return jnp.concatenate(logits_of(qs, rows, state.bits), axis=-1)[..., :c]
+
+
+def _paged_slot_logits(qs, ridx, state: QuantState, logits_of):
+  """`slot_logits_xla` of a paged state: qs [B, Hkv, G, r], ridx [B, Hkv, r] -> [B, Hkv, G,
+  NP * P]. Every page of the pool scored with its owner's dims and query (`pages.owners`) and
+  the logits moved to the sequences' order, when no page holds valid slots of two sequences
+  and the pool is small next to the table; else the r rows gathered through the table."""
+  cache, bits = state.cache, state.bits
+  b, npg, n = ridx.shape[0], cache.table.shape[-1], state.codes.shape[0]
+  live = jnp.arange(npg)[None, :] * cache.page_size < cache.length[:, None]  # [B, NP]
+  owner, single = pages.owners(cache.table, live, n)
+
+  def in_place():  # a page's planes in turn are its slots in order (slot i: plane i // Nbp)
+    rows = jnp.take_along_axis(state.codes, ridx[owner][..., None], axis=2)  # [N, Hkv, r, Nbp]
+    return pages.in_table_order(jnp.concatenate(logits_of(qs[owner], rows, bits), axis=-1),
+                                cache.table)
+
+  def gathered():  # [B, Hkv, r, NP * Nbp]: each page's bytes in turn
+    logits = logits_of(qs, pages.gather_cols(state.codes, cache.table, ridx), bits)
     per_page = [x.reshape(*x.shape[:-1], npg, -1) for x in logits]  # [B, Hkv, G, NP, Nbp]
-    return jnp.stack(per_page, axis=-2).reshape(*logits[0].shape[:-1], c)
-  return jnp.concatenate(logits, axis=-1)[..., :c]
+    return jnp.stack(per_page, axis=-2).reshape(*logits[0].shape[:-1], -1)
+
+  if n > pages.POOL_READ_RATIO * b * npg:
+    return gathered()
+  return jax.lax.cond(single, in_place, gathered)
 
 
 def _plane_products(qs: jax.Array, rows: jax.Array, bits: int) -> list[jax.Array]:
