@@ -65,8 +65,10 @@ def _pool_order_combine(qg, cache: KVCache, valid, live, owner, used, k_extra, v
   scale = _scale(qg)
   q_pool = qg.astype(cache.dtype)[owner]  # [N, Hkv, G, D]
   k_pool, v_pool = (from_storage(x, cache.dtype) for x in (cache.k_raw, cache.v_raw))
+  # [N, Hkv, P, G]: the [K, G] order XLA:CPU multiplies fastest (`_dot`), moved after the gather
   lg = jnp.einsum("nhpd,nhgd->nhpg", k_pool, q_pool, preferred_element_type=jnp.float32)
-  logits = pages.in_table_order(jnp.swapaxes(lg, -1, -2), cache.table) * scale
+  lg = jnp.transpose(lg[cache.table], (0, 2, 4, 1, 3))  # [B, Hkv, G, NP, P]
+  logits = lg.reshape(b, hkv, g, npg * p_size) * scale
   extra = None if k_extra is None else _dot(k_extra, qg.astype(k_extra.dtype)) * scale
   target = jnp.where(live, cache.table, n)  # the live entries; n: dropped
 
