@@ -57,7 +57,7 @@ def _paged_softmax_combine(qg, cache: KVCache, valid, k_extra=None, v_extra=None
 
 
 def _pool_order_combine(qg, cache: KVCache, valid, live, owner, used, k_extra, v_extra):
-  """Every page of the pool against its owner's query: logits `[N, Hkv, G, P]` read in place,
+  """Every page of the pool against its owner's query: logits `[N, Hkv, P, G]` read in place,
   then moved to the sequences' order through the table (G values a slot, not D)."""
   del used
   b, hkv, g, _ = qg.shape

@@ -74,6 +74,19 @@ def owners(table: jax.Array, live: jax.Array, num_pages: int):
   return owner, jnp.max(refs) <= 1
 
 
+def pool_or_table(table: jax.Array, length: jax.Array, page_size: int, num_pages: int,
+                  in_place, through_table):
+  """A paged read done the cheaper exact way: `in_place(owner [N])` (pool order, `owners`) when
+  no page is in two sequences' first `length [B]` slots and the pool is at most
+  `POOL_READ_RATIO` times the table's pages, else `through_table()` (picked on the device)."""
+  b, npg = table.shape
+  if num_pages > POOL_READ_RATIO * b * npg:
+    return through_table()
+  live = jnp.arange(npg)[None, :] * page_size < length[:, None]  # [B, NP]
+  owner, single = owners(table, live, num_pages)
+  return jax.lax.cond(single, lambda: in_place(owner), through_table)
+
+
 def in_table_order(x: jax.Array, table: jax.Array) -> jax.Array:
   """Per-page values in pool order `x [N, H, G, P]` -> each sequence's in slot order
   `[B, H, G, NP * P]` (a gather of G values per slot)."""

@@ -54,25 +54,21 @@ def approx_bounds_scores_xla(q: jax.Array, bounds: jax.Array, length: jax.Array,
 
 def paged_approx_scores_xla(q: jax.Array, cache: KVCache, r: int,
                             group_dims: str = "sum") -> jax.Array:
-  """`approx_bounds_scores_xla` on a paged cache: the r rows read from every page of each
-  sequence (`pages.gather_cols`), the same bytes as the contiguous read."""
+  """`approx_bounds_scores_xla` on a paged cache: the r rows of every page, read in pool order
+  or through the table (`pages.pool_or_table`), the same bytes as the contiguous read."""
   raw, table = cache.bounds_raw, cache.table
-  (b, npg), n = table.shape, raw.shape[0]
   f32 = lambda x: from_storage(x, cache.dtype).astype(jnp.float32)
 
   def logits_of(q_r, rows):
-    def gathered():  # [B, Hkv, r, NP * W]: each page's columns in turn
-      return jnp.einsum("bhgr,bhrc->bhgc", q_r, f32(pages.gather_cols(raw, table, rows)))
-
-    def in_place():  # every page against its owner's rows and query (`pages.owners`)
+    def in_place(owner):  # every page against its owner's rows and query
       k_r = f32(jnp.take_along_axis(raw, rows[owner][..., None], axis=2))  # [N, Hkv, r, W]
       return pages.in_table_order(jnp.einsum("nhgr,nhrc->nhgc", q_r[owner], k_r), table)
 
-    if n > pages.POOL_READ_RATIO * b * npg:
-      return gathered()
-    live = jnp.arange(npg)[None, :] * cache.page_size < cache.length[:, None]  # [B, NP]
-    owner, single = pages.owners(table, live, n)
-    return lax.cond(single, in_place, gathered)
+    def through_table():  # [B, Hkv, r, NP * W]: each page's columns in turn
+      return jnp.einsum("bhgr,bhrc->bhgc", q_r, f32(pages.gather_cols(raw, table, rows)))
+
+    return pages.pool_or_table(table, cache.length, cache.page_size, raw.shape[0], in_place,
+                               through_table)
 
   return _approx_scores(q, logits_of, raw.shape[1], cache.num_chunks,
                         two_sided(raw, q.shape[2]), cache.length, cache.chunk_size, r,

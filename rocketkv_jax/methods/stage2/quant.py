@@ -266,27 +266,23 @@ def slot_logits_xla(q: jax.Array, state: QuantState, r: int,
 
 def _paged_slot_logits(qs, ridx, state: QuantState, logits_of):
   """`slot_logits_xla` of a paged state: qs [B, Hkv, G, r], ridx [B, Hkv, r] -> [B, Hkv, G,
-  NP * P]. Every page of the pool scored with its owner's dims and query (`pages.owners`) and
-  the logits moved to the sequences' order, when no page holds valid slots of two sequences
-  and the pool is small next to the table; else the r rows gathered through the table."""
+  NP * P], every page of the pool scored with its owner's dims and query, or the r rows
+  gathered through the table (`pages.pool_or_table`)."""
   cache, bits = state.cache, state.bits
-  b, npg, n = ridx.shape[0], cache.table.shape[-1], state.codes.shape[0]
-  live = jnp.arange(npg)[None, :] * cache.page_size < cache.length[:, None]  # [B, NP]
-  owner, single = pages.owners(cache.table, live, n)
+  npg = cache.table.shape[-1]
 
-  def in_place():  # a page's planes in turn are its slots in order (slot i: plane i // Nbp)
+  def in_place(owner):  # a page's planes in turn are its slots in order (slot i: plane i // Nbp)
     rows = jnp.take_along_axis(state.codes, ridx[owner][..., None], axis=2)  # [N, Hkv, r, Nbp]
     return pages.in_table_order(jnp.concatenate(logits_of(qs[owner], rows, bits), axis=-1),
                                 cache.table)
 
-  def gathered():  # [B, Hkv, r, NP * Nbp]: each page's bytes in turn
+  def through_table():  # [B, Hkv, r, NP * Nbp]: each page's bytes in turn
     logits = logits_of(qs, pages.gather_cols(state.codes, cache.table, ridx), bits)
     per_page = [x.reshape(*x.shape[:-1], npg, -1) for x in logits]  # [B, Hkv, G, NP, Nbp]
     return jnp.stack(per_page, axis=-2).reshape(*logits[0].shape[:-1], -1)
 
-  if n > pages.POOL_READ_RATIO * b * npg:
-    return gathered()
-  return jax.lax.cond(single, in_place, gathered)
+  return pages.pool_or_table(cache.table, cache.length, cache.page_size, state.codes.shape[0],
+                             in_place, through_table)
 
 
 def _plane_products(qs: jax.Array, rows: jax.Array, bits: int) -> list[jax.Array]:
