@@ -61,7 +61,18 @@ def _kv(seed=0, lengths=(23, 27)):
   return k, v, jnp.asarray(lengths, jnp.int32)
 
 
-def _paged_case(case, rng, npg, lengths, p):
+def _hand_paged(k_pages, v_pages, ids, lengths):
+  """A paged full-KV cache over pages `k_pages, v_pages [N, H, P, D]` with table `ids [B, NP]`."""
+  (b, npg), (n, _, p, _) = ids.shape, k_pages.shape
+  cache = full_cache(jnp.zeros((b, H, npg * p, D)), jnp.zeros((b, H, npg * p, D)), npg * p, 0,
+                     jnp.asarray(lengths, jnp.int32))
+  return cache.replace(k_raw=jnp.asarray(k_pages, jnp.float32),
+                       v_raw=jnp.asarray(v_pages, jnp.float32),
+                       pos_raw=jnp.zeros((n, H, p), jnp.int32),
+                       table=jnp.asarray(ids, jnp.int32), page_size=p)
+
+
+def _paged_case(case, rng, npg, lengths):
   """A page table for `case`: pages of a 13-page pool (64 for "large_pool") in scrambled order;
   "shared_page": two sequences read one page; "stale_entries": entries past a sequence's length
   point at another's pages."""
@@ -150,15 +161,11 @@ def test_dense_attention_through_pages_is_numpy(case):
   sequence's length may point at any page, another sequence's included."""
   rng = np.random.default_rng(7)
   npg, lengths = 4, np.array([20, 9, 13])  # P = 6: 4, 2 and 3 pages in use
-  num_pages, ids = _paged_case(case, rng, npg, lengths, P)
+  num_pages, ids = _paged_case(case, rng, npg, lengths)
   b = len(lengths)
   k_pages = rng.normal(size=(num_pages, H, P, D)).astype(np.float32)
   v_pages = rng.normal(size=(num_pages, H, P, D)).astype(np.float32)
-  cache = full_cache(jnp.zeros((b, H, npg * P, D)), jnp.zeros((b, H, npg * P, D)), npg * P, 0,
-                     jnp.asarray(lengths, jnp.int32))
-  cache = cache.replace(k_raw=jnp.asarray(k_pages), v_raw=jnp.asarray(v_pages),
-                        pos_raw=jnp.zeros((num_pages, H, P), jnp.int32),
-                        table=jnp.asarray(ids, jnp.int32), page_size=P)
+  cache = _hand_paged(k_pages, v_pages, ids, lengths)
   logical_k = np.stack([np.concatenate([k_pages[t] for t in row], axis=1) for row in ids])
   logical_v = np.stack([np.concatenate([v_pages[t] for t in row], axis=1) for row in ids])
   q = rng.normal(size=(b, 2 * H, D)).astype(np.float32)
@@ -175,14 +182,11 @@ def test_quant_code_pages_read_is_numpy(case):
   rng = np.random.default_rng(11)
   npg, lengths, bits, r = 4, np.array([20, 9, 13]), 4, 3
   w = P // 2
-  num_pages, ids = _paged_case(case, rng, npg, lengths, P)
+  num_pages, ids = _paged_case(case, rng, npg, lengths)
   b = len(lengths)
   codes = rng.integers(0, 256, size=(num_pages, H, D, w), dtype=np.uint8)
-  cache = full_cache(jnp.zeros((b, H, npg * P, D)), jnp.zeros((b, H, npg * P, D)), npg * P, 0,
-                     jnp.asarray(lengths, jnp.int32))
-  cache = cache.replace(k_raw=jnp.zeros((num_pages, H, P, D)), v_raw=jnp.zeros((num_pages, H, P, D)),
-                        pos_raw=jnp.zeros((num_pages, H, P), jnp.int32),
-                        table=jnp.asarray(ids, jnp.int32), page_size=P)
+  zeros = np.zeros((num_pages, H, P, D))
+  cache = _hand_paged(zeros, zeros, ids, lengths)
   step = jnp.asarray(rng.uniform(0.5, 2.0, size=(b, H, D)), jnp.float32)
   state = quant.QuantState(cache=cache, codes=jnp.asarray(codes), lo=jnp.zeros((b, H, D)),
                            step=step, bits=bits)
@@ -207,12 +211,8 @@ def test_pool_order_and_table_reads_are_bitwise_equal(monkeypatch):
   npg, lengths, p = 5, np.array([60, 33, 49]), 16
   num_pages, ids = 17, rng.permutation(np.arange(1, 17))[:15].reshape(3, npg)
   b = len(lengths)
-  cache = full_cache(jnp.zeros((b, H, npg * p, D)), jnp.zeros((b, H, npg * p, D)), npg * p, 0,
-                     jnp.asarray(lengths, jnp.int32))
-  cache = cache.replace(k_raw=jnp.asarray(rng.normal(size=(num_pages, H, p, D)), jnp.float32),
-                        v_raw=jnp.asarray(rng.normal(size=(num_pages, H, p, D)), jnp.float32),
-                        pos_raw=jnp.zeros((num_pages, H, p), jnp.int32),
-                        table=jnp.asarray(ids, jnp.int32), page_size=p)
+  cache = _hand_paged(rng.normal(size=(num_pages, H, p, D)), rng.normal(size=(num_pages, H, p, D)),
+                      ids, lengths)
   codes = jnp.asarray(rng.integers(0, 256, size=(num_pages, H, D, p // 2), dtype=np.uint8))
   state = quant.QuantState(cache=cache, codes=codes, lo=jnp.zeros((b, H, D)),
                            step=jnp.ones((b, H, D)), bits=4)
