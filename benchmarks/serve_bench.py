@@ -10,7 +10,8 @@ each request rate runs guidellm (constant rate, `--requests` requests of real te
 `--text` files, by default the licence texts Debian ships in /usr/share/common-licenses) while
 it polls the server's /metrics and RSS. Per (method, rate), side by side: requests running at
 once (peak, mean), output tokens/s, requests/s, TTFT p50 / p99, inter-token latency p50 / p99,
-KV usage (peak, mean), the server's peak RSS, and the engine's prefill vs decode seconds.
+KV usage (peak, mean), the same over the window's second half (the steady state at
+saturation, past the ramp from an empty server: `*_late`), the server's peak RSS, and the engine's prefill vs decode seconds.
 guidellm's rates count only the requests that completed; `--max-seconds` stops a rate's run
 (guidellm's max_duration) and the requests still running then count as incomplete, so the
 table also gives the server's generated tokens per second over the run (gen_tok_s).
@@ -141,11 +142,28 @@ def _summary(gl: dict, window: list[dict], before: dict, after: dict) -> dict:
       prefill_s=delta("rocketkv:prefill_seconds_total"),
       decode_s=delta("rocketkv:decode_seconds_total"),
       preempted=delta("rocketkv:num_preemptions_total"),
-      recomputed_tokens=delta("rocketkv:recomputed_tokens_total"))
+      recomputed_tokens=delta("rocketkv:recomputed_tokens_total"),
+      **_late(window))
+
+
+def _late(window: list[dict]) -> dict:
+  """The second half of the window: past the ramp from an empty server, so at saturation the
+  steady state's requests at once, pool use, generated tokens/s and preemptions."""
+  if len(window) < 4:
+    return {}
+  mid = (window[0]["t"] + window[-1]["t"]) / 2
+  late = [s for s in window if s["t"] >= mid]
+  wall = late[-1]["t"] - late[0]["t"]
+  delta = lambda k: late[-1].get(k, 0.0) - late[0].get(k, 0.0)
+  return dict(
+      running_mean_late=statistics.fmean(s["rocketkv:num_requests_running"] for s in late),
+      kv_usage_mean_late=statistics.fmean(s["rocketkv:kv_cache_usage_perc"] for s in late),
+      gen_tok_s_late=delta("rocketkv:generation_tokens_total") / wall if wall else 0.0,
+      preempted_late=delta("rocketkv:num_preemptions_total"))
 
 
 COLS = ["method", "rate", "slots", "completed", "incomplete", "running_peak", "running_mean",
-        "output_tok_s", "gen_tok_s", "requests_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+        "running_mean_late", "output_tok_s", "gen_tok_s_late", "gen_tok_s", "requests_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
         "itl_p99_ms", "kv_usage_peak", "kv_usage_mean", "peak_rss_mb", "prefill_s", "decode_s", "preempted"]
 
 
@@ -154,7 +172,7 @@ def _write(out: str, command: str, files: list[str], rows: list[dict]) -> str:
   with open(os.path.join(out, "serve_bench.json"), "w") as f:
     json.dump(dict(command=command, text=files, rows=rows), f, indent=1)
   table = "| " + " | ".join(COLS) + " |\n|" + "---|" * len(COLS) + "\n" + "".join(
-      "| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c])
+      "| " + " | ".join(f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, ""))
                         for c in COLS) + " |\n" for r in rows)
   with open(os.path.join(out, "serve_bench.md"), "w") as f:
     f.write(f"    {command}\n\n{table}")

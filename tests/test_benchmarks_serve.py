@@ -60,3 +60,16 @@ def test_summary_and_table_count_the_cut_off_requests(tmp_path):
   assert md.startswith("    python3 benchmarks/serve_bench.py --x\n") and md.endswith(table)
   assert "| full | 0.05 | 5 | 3 | 2 | 4 |" in table
   assert json.loads((tmp_path / "serve_bench.json").read_text())["rows"][0]["incomplete"] == 2
+
+
+def test_late_half_is_the_windows_second_half():
+  # 9 samples 1 s apart: the second half is t >= 4 (samples 4..8)
+  window = [{"t": float(i), "rocketkv:num_requests_running": float(i),
+             "rocketkv:kv_cache_usage_perc": i / 10, "rocketkv:generation_tokens_total": i * i,
+             "rocketkv:num_preemptions_total": float(i >= 6)} for i in range(9)]
+  late = serve_bench._late(window)
+  assert late["running_mean_late"] == pytest.approx(6.0)
+  assert late["kv_usage_mean_late"] == pytest.approx(0.6)
+  assert late["gen_tok_s_late"] == pytest.approx((64 - 16) / 4)
+  assert late["preempted_late"] == 1.0
+  assert serve_bench._late(window[:3]) == {}
