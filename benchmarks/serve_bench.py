@@ -10,8 +10,11 @@ each request rate runs guidellm (constant rate, `--requests` requests of real te
 `--text` files, by default the licence texts Debian ships in /usr/share/common-licenses) while
 it polls the server's /metrics and RSS. Per (method, rate), side by side: requests running at
 once (peak, mean), output tokens/s, requests/s, TTFT p50 / p99, inter-token latency p50 / p99,
-KV usage (peak, mean), the same over the window's second half (the steady state at
-saturation, past the ramp from an empty server: `*_late`), the server's peak RSS, and the engine's prefill vs decode seconds.
+KV usage (peak, mean), the server's peak RSS, and the engine's prefill vs decode seconds; TTFT
+p50 over every request sent (`ttft_all_*`: bounds, a request cut off before its first token
+waited at least until the cutoff); requests at once, pool use and generated tokens/s over the
+window's second half (`*_late`: past the ramp from an empty server, the steady state at
+saturation).
 guidellm's rates count only the requests that completed; `--max-seconds` stops a rate's run
 (guidellm's max_duration) and the requests still running then count as incomplete, so the
 table also gives the server's generated tokens per second over the run (gen_tok_s).
@@ -143,7 +146,31 @@ def _summary(gl: dict, window: list[dict], before: dict, after: dict) -> dict:
       decode_s=delta("rocketkv:decode_seconds_total"),
       preempted=delta("rocketkv:num_preemptions_total"),
       recomputed_tokens=delta("rocketkv:recomputed_tokens_total"),
-      **_late(window))
+      **_late(window), **_ttft_all(gl))
+
+
+def _ttft_all(gl: dict) -> dict:
+  """TTFT p50 over every request sent, not only the completed ones (guidellm's percentiles
+  favour the method that completes fewer, the earliest arrivals): a request with no first token
+  by the cutoff counts as its wait until then (`_lo`: a lower bound of the median) or as
+  infinite (`_hi`: an upper bound; None when it falls on such a request)."""
+  b = gl["benchmarks"][0].get("requests") or {}
+  waits, cut = [], []
+  for r in (b.get("successful") or []) + (b.get("incomplete") or []) + (b.get("errored") or []):
+    t = r["info"]["timings"]
+    start = t.get("request_start")
+    if start is None:  # never sent
+      continue
+    if t.get("first_token_iteration") is not None:
+      waits.append(t["first_token_iteration"] - start)
+    elif t.get("resolve_end") is not None:
+      cut.append(t["resolve_end"] - start)
+  if not waits and not cut:
+    return {}
+  lo = statistics.median(waits + cut)
+  hi = sorted(waits + [float("inf")] * len(cut))[(len(waits) + len(cut)) // 2]
+  return dict(sent=len(waits) + len(cut), no_first_token=len(cut), ttft_all_p50_lo_s=lo,
+              ttft_all_p50_hi_s=None if hi == float("inf") else hi)
 
 
 def _late(window: list[dict]) -> dict:
@@ -163,8 +190,10 @@ def _late(window: list[dict]) -> dict:
 
 
 COLS = ["method", "rate", "slots", "completed", "incomplete", "running_peak", "running_mean",
-        "running_mean_late", "output_tok_s", "gen_tok_s_late", "gen_tok_s", "requests_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-        "itl_p99_ms", "kv_usage_peak", "kv_usage_mean", "peak_rss_mb", "prefill_s", "decode_s", "preempted"]
+        "running_mean_late", "output_tok_s", "gen_tok_s", "gen_tok_s_late", "requests_s",
+        "ttft_p50_ms", "ttft_p99_ms", "ttft_all_p50_lo_s", "ttft_all_p50_hi_s", "itl_p50_ms",
+        "itl_p99_ms", "kv_usage_peak", "kv_usage_mean", "peak_rss_mb", "prefill_s", "decode_s",
+        "preempted"]
 
 
 def _write(out: str, command: str, files: list[str], rows: list[dict]) -> str:

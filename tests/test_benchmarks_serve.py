@@ -73,3 +73,19 @@ def test_late_half_is_the_windows_second_half():
   assert late["gen_tok_s_late"] == pytest.approx((64 - 16) / 4)
   assert late["preempted_late"] == 1.0
   assert serve_bench._late(window[:3]) == {}
+
+
+def test_ttft_over_every_request_sent_bounds_the_cut_off_ones():
+  def req(start, first=None, end=None):
+    return {"info": {"timings": {"request_start": start, "first_token_iteration": first,
+                                 "resolve_end": end}}}
+  # waits 2, 4, 6 s; two cut off after 3 s and 10 s without a first token
+  gl = {"benchmarks": [{"requests": {
+      "successful": [req(0.0, 2.0), req(10.0, 14.0)], "incomplete": [req(20.0, 26.0),
+      req(30.0, None, 33.0), req(40.0, None, 50.0)], "errored": []}}]}
+  row = serve_bench._ttft_all(gl)
+  assert (row["sent"], row["no_first_token"]) == (5, 2)
+  assert row["ttft_all_p50_lo_s"] == 4.0  # median of 2, 3, 4, 6, 10
+  assert row["ttft_all_p50_hi_s"] == 6.0  # median of 2, 4, 6, inf, inf
+  gl["benchmarks"][0]["requests"]["incomplete"].append(req(60.0, None, 61.0))
+  assert serve_bench._ttft_all(gl)["ttft_all_p50_hi_s"] is None  # 2, 4, 6, inf x 3
