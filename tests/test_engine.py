@@ -16,7 +16,7 @@ import pytest
 import rocketkv_jax as rocketkv
 from rocketkv_jax.runtime import engine_programs
 from rocketkv_jax.runtime.engine import (Engine, EngineClosed, EngineConfig, QueueFull,
-                                         SamplingParams)
+                                         SamplingParams, decode_batches)
 from rocketkv_jax.runtime.requests import Request
 import method_specs
 from model_fixtures import gemma3_checkpoint, hf_checkpoint, run_on_host_devices
@@ -406,3 +406,14 @@ def test_tensor_parallel_engine_matches_one_device():
   path, _ = hf_checkpoint("llama_tp")
   out = run_on_host_devices(_TP_SCRIPT.format(path=path), devices=2)
   assert out.returncode == 0 and "TP-OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("slots, want", [
+    (1, (1,)), (3, (1, 2, 3)), (8, (1, 2, 4, 8)), (9, (1, 2, 4, 8, 9)),
+    (64, (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)),
+    (70, (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 70))])
+def test_decode_batches_pad_fewer_than_8_rows(slots, want):
+  got = decode_batches(slots)
+  assert got == want
+  for busy in range(5, slots + 1):  # past 4 busy slots, under 8 idle rows
+    assert 0 <= min(b for b in got if b >= busy) - busy < 8

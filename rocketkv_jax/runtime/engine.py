@@ -77,6 +77,13 @@ def _nbytes(tree) -> int:
   return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+def decode_batches(slots: int) -> tuple[int, ...]:
+  """Decode batch sizes with pages (one program each): 1, 2, 4, every multiple of 8 below
+  `slots`, and `slots`, as vLLM's CUDA graph sizes: a decode call over n busy slots runs fewer
+  than n + 8 rows (powers of two alone would run up to 2n)."""
+  return tuple(sorted({b for b in (1, 2, 4, *range(8, slots, 8)) if b < slots} | {slots}))
+
+
 class QueueFull(RuntimeError):
   """The waiting queue is full: retry later (a server answers 503)."""
 
@@ -288,9 +295,7 @@ class Engine:
                          f"max_model_len), got {config.kv_cache_mb}")
       slots = min(slots, fit)
     self.num_slots = slots
-    # Decode batch sizes with pages: powers of two up to S, and S (one program each)
-    self.batches = tuple(sorted({1 << i for i in range(slots.bit_length()) if 1 << i < slots}
-                                | {slots}))
+    self.batches = decode_batches(slots)
 
     self._lock = threading.Condition()
     self._waiting: collections.deque[Request] = collections.deque()
@@ -399,8 +404,8 @@ class Engine:
             self._temp[r], self._top_p[r], self._seed[r], self._min_tokens[r], self._eos)
 
   def _decode_rows(self) -> int | None:
-    """Slots the next decode call runs: with pages, the smallest batch size (a power of two,
-    or S) covering every busy slot (they are kept first); without, all (None)."""
+    """Slots the next decode call runs: with pages, the smallest batch size (`decode_batches`)
+    covering every busy slot (they are kept first); without, all (None)."""
     if not self.paged:
       return None
     top = max((i for i, r in enumerate(self._slots) if r is not None), default=0) + 1
