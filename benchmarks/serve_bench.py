@@ -149,28 +149,35 @@ def _summary(gl: dict, window: list[dict], before: dict, after: dict) -> dict:
       **_late(window), **_ttft_all(gl))
 
 
-def _ttft_all(gl: dict) -> dict:
-  """TTFT p50 over every request sent, not only the completed ones (guidellm's percentiles
-  favour the method that completes fewer, the earliest arrivals): a request with no first token
-  by the cutoff counts as its wait until then (`_lo`: a lower bound of the median) or as
-  infinite (`_hi`: an upper bound; None when it falls on such a request)."""
+def first_token_waits(gl: dict) -> list[tuple[float, bool]]:
+  """Every request sent, in arrival order: (its wait for a first token, True), or (its wait
+  until it was cut off without one, False)."""
   b = gl["benchmarks"][0].get("requests") or {}
-  waits, cut = [], []
+  out = []
   for r in (b.get("successful") or []) + (b.get("incomplete") or []) + (b.get("errored") or []):
     t = r["info"]["timings"]
     start = t.get("request_start")
     if start is None:  # never sent
       continue
     if t.get("first_token_iteration") is not None:
-      waits.append(t["first_token_iteration"] - start)
+      out.append((start, t["first_token_iteration"] - start, True))
     elif t.get("resolve_end") is not None:
-      cut.append(t["resolve_end"] - start)
-  if not waits and not cut:
+      out.append((start, t["resolve_end"] - start, False))
+  return [(w, ok) for _, w, ok in sorted(out)]
+
+
+def _ttft_all(gl: dict) -> dict:
+  """TTFT p50 over every request sent, not only the completed ones (guidellm's percentiles
+  favour the method that completes fewer, the earliest arrivals): a request with no first token
+  by the cutoff counts as its wait until then (`_lo`: a lower bound of the median) or as
+  infinite (`_hi`: an upper bound; None when it falls on such a request)."""
+  waits = first_token_waits(gl)
+  if not waits:
     return {}
-  lo = statistics.median(waits + cut)
-  hi = sorted(waits + [float("inf")] * len(cut))[(len(waits) + len(cut)) // 2]
-  return dict(sent=len(waits) + len(cut), no_first_token=len(cut), ttft_all_p50_lo_s=lo,
-              ttft_all_p50_hi_s=None if hi == float("inf") else hi)
+  lo = statistics.median(w for w, _ in waits)
+  hi = sorted(w if ok else float("inf") for w, ok in waits)[len(waits) // 2]
+  return dict(sent=len(waits), no_first_token=sum(not ok for _, ok in waits),
+              ttft_all_p50_lo_s=lo, ttft_all_p50_hi_s=None if hi == float("inf") else hi)
 
 
 def _late(window: list[dict]) -> dict:

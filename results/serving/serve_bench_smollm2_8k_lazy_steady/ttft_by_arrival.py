@@ -1,6 +1,6 @@
 """TTFT by arrival from this folder's guidellm reports (run from the repository root):
 
-    python3 results/serving/serve_bench_smollm2_8k_lazy_steady/ttft_by_arrival.py --first 34
+    python3 results/serving/serve_bench_smollm2_8k_lazy_steady/ttft_by_arrival.py --first 46
 
 Per method: `serve_bench._ttft_all` (TTFT p50 over every request sent, with bounds for the ones
 cut off before a first token), each request's wait for its first token in arrival order (None:
@@ -18,17 +18,12 @@ sys.path.insert(0, "benchmarks")
 import serve_bench  # noqa: E402
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--first", type=int, default=34)
+ap.add_argument("--first", type=int, default=46)
 ap.add_argument("--dir", default=os.path.dirname(os.path.abspath(__file__)))
 a = ap.parse_args()
 for path in sorted(glob.glob(os.path.join(a.dir, "guidellm_*.json"))):
   gl = json.load(open(path))
-  reqs = gl["benchmarks"][0]["requests"]
-  timings = sorted((r["info"]["timings"] for r in (reqs["successful"] or []) + (reqs["incomplete"] or [])
-                    + (reqs["errored"] or []) if r["info"]["timings"].get("request_start")),
-                   key=lambda t: t["request_start"])
-  waits = [(t["first_token_iteration"] - t["request_start"], True) if t.get("first_token_iteration")
-           else (t["resolve_end"] - t["request_start"], False) for t in timings]
+  waits = serve_bench.first_token_waits(gl)
   first = waits[:a.first]
   cut = sum(not ok for _, ok in first)
   print(os.path.basename(path), serve_bench._ttft_all(gl))
